@@ -1,0 +1,1 @@
+"""Attention backends of the core (pure torch; they run on any platform)."""

@@ -1,0 +1,176 @@
+"""EngineConfig: one pydantic model read from YAML, ``PAGODA_*`` variables and CLI flags.
+
+Precedence, lowest first: defaults, the YAML file, ``PAGODA_<KEY>`` environment variables,
+explicit arguments (CLI flags or ``LLM(...)`` keywords). Errors name the source and key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pagoda.errors import ConfigError
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+class EngineConfig(BaseModel):
+    """Everything that shapes one engine. Field docs are the user documentation."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+    model: str | None = Field(None, description="HF model directory, a .gguf file, or a directory holding "
+                              "one; None serves the embedded default (SmolLM2-135M-Instruct)")
+    tokenizer: str | None = Field(None, description="tokenizer directory if not the model's")
+    served_model_name: str | None = Field(None, description="name reported by the API; default: the model")
+    dtype: str = Field("auto", description="float32, float16, bfloat16, or auto (the platform's default)")
+    device: str = Field("auto", description="platform name (cpu, cuda, ...) or auto (highest priority "
+                        "available); an unavailable explicit device is an error")
+    seed: int = Field(0, description="seed for random weights and for sampling without a request seed")
+    block_size: int = Field(16, gt=0, le=1024, description="tokens per KV cache block")
+    max_model_len: int | None = Field(None, gt=0, description="longest prompt+output; default: the "
+                                      "model's max_position_embeddings")
+    max_num_seqs: int = Field(256, gt=0, description="most sequences running in one step")
+    max_num_batched_tokens: int = Field(8192, gt=0, description="token budget of one step (chunked "
+                                        "prefill splits longer prompts)")
+    memory_utilization: float = Field(0.9, gt=0, le=1.0, description="fraction of device memory pagoda "
+                                      "may use for weights, activations and KV cache (alias: "
+                                      "gpu_memory_utilization)")
+    kv_cache_memory_gb: float | None = Field(None, gt=0, description="KV cache size in GiB, instead of "
+                                             "sizing it from memory_utilization")
+    num_kv_blocks: int | None = Field(None, gt=0, description="fixed KV cache size in blocks; overrides "
+                                      "the memory budget")
+    attention_backend: str = Field("auto", description="attention backend name, or auto")
+    enforce_eager: bool = Field(False, description="never capture graphs")
+    enable_prefix_caching: bool = Field(True, description="reuse KV blocks of identical prompt prefixes")
+    quantization: str | dict | None = Field(None, description="quantization method name or policy "
+                                            "(see docs/quantization.md); checkpoint metadata wins")
+    kv_cache_dtype: str = Field("auto", description="auto (the model dtype) or a quantized cache type "
+                                "such as fp8")
+    tensor_parallel_size: int = Field(1, gt=0, description="devices one model is split over")
+    enable_expert_parallel: bool = Field(False, description="split MoE experts over the ranks")
+    max_logprobs: int = Field(20, ge=0, description="largest logprobs a request may ask for")
+    skip_tokenizer_init: bool = Field(False, description="token ids in, token ids out")
+    load_format: Literal["auto", "dummy"] = Field("auto", description="dummy: random weights of the "
+                                                  "model's shapes (benchmarks)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _aliases(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "gpu_memory_utilization" in data:
+            data = dict(data)
+            data.setdefault("memory_utilization", data.pop("gpu_memory_utilization"))
+        return data
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str) -> str:
+        v = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
+             "float": "float32"}.get(v, v)
+        if v in DTYPES or _split_device_dtype(v) is not None:
+            return v
+        raise ValueError(f"must be one of {', '.join(DTYPES)} (or <device>-<dtype>, e.g. cuda-bfloat16)")
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _kv_dtype(cls, v: str) -> str:
+        return {"fp8_e4m3": "fp8"}.get(v, v)
+
+    def resolved_device_and_dtype(self) -> tuple[str, str]:
+        """``dtype: <device>-<dtype>`` (e.g. ``cuda-bfloat16``) names the device too."""
+        split = _split_device_dtype(self.dtype)
+        if split is None:
+            return self.device, self.dtype
+        device, dtype = split
+        if self.device not in ("auto", device):
+            raise ConfigError(f"dtype {self.dtype!r} names device {device!r} but device is {self.device!r}")
+        return device, dtype
+
+
+def _split_device_dtype(value: str) -> tuple[str, str] | None:
+    device, sep, dtype = value.partition("-")
+    if sep and device and dtype in DTYPES[1:]:
+        return device, dtype
+    return None
+
+
+def read_yaml(path: str | os.PathLike) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {p} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p} must hold a mapping of keys, not {type(data).__name__}")
+    return data
+
+
+def engine_section(data: dict, source: str) -> dict:
+    """A file is either flat EngineConfig keys or has ``engine:`` (and ``server:``) sections."""
+    if "engine" in data or "server" in data:
+        section = data.get("engine") or {}
+        if not isinstance(section, dict):
+            raise ConfigError(f"{source}: 'engine' must be a mapping")
+        return section
+    return data
+
+
+def env_overrides(model: type[BaseModel], prefix: str = "PAGODA_") -> dict:
+    """``PAGODA_MAX_NUM_SEQS=8`` → ``{"max_num_seqs": 8}`` for the model's fields."""
+    out = {}
+    for name in model.model_fields:
+        raw = os.environ.get(prefix + name.upper())
+        if raw is not None:
+            try:
+                out[name] = yaml.safe_load(raw) if raw.strip() else None
+            except yaml.YAMLError:
+                out[name] = raw
+    return out
+
+
+def build_config(model: type[BaseModel], layers: list[tuple[str, dict]]) -> Any:
+    """Merge ``(source, values)`` layers (later wins) and validate, naming the source of a bad key."""
+    merged: dict = {}
+    origin: dict[str, str] = {}
+    for source, values in layers:
+        for key, value in values.items():
+            merged[key] = value
+            origin[key] = source
+    try:
+        return model(**merged)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, model, origin)) from None
+
+
+def format_validation_error(exc: ValidationError, model: type[BaseModel], origin: dict[str, str]) -> str:
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "(root)"
+        top = str(err["loc"][0]) if err["loc"] else ""
+        where = origin.get(top, "arguments")
+        if err["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(top, list(model.model_fields), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            lines.append(f"{where}: unknown key {key!r}{hint} (valid keys: {', '.join(model.model_fields)})")
+        else:
+            got = err.get("input")
+            lines.append(f"{where}: key {key!r}: {err['msg']} (got {got!r})")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def load_engine_config(config_file: str | None = None, **overrides: Any) -> EngineConfig:
+    """EngineConfig from an optional YAML file, then the environment, then ``overrides``
+    (None values are ignored, so unset CLI flags do not override the file)."""
+    layers: list[tuple[str, dict]] = []
+    if config_file:
+        layers.append((str(config_file), engine_section(read_yaml(config_file), str(config_file))))
+    layers.append(("environment (PAGODA_*)", env_overrides(EngineConfig)))
+    layers.append(("arguments", {k: v for k, v in overrides.items() if v is not None}))
+    return build_config(EngineConfig, layers)

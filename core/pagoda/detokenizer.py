@@ -1,0 +1,71 @@
+"""Incremental detokenization for a batch of sequences, and stop-string checks.
+
+Each sequence keeps two offsets into its token ids: text up to ``read_offset`` is final,
+and decoding restarts at ``prefix_offset`` (a few tokens earlier) so that tokenizers
+whose pieces depend on their left neighbour (SentencePiece spaces, multi-byte characters
+split over tokens) produce the right delta. All sequences of a step are decoded in one
+call of the Rust tokenizer.
+"""
+
+from __future__ import annotations
+
+from pagoda.sequence import Sequence
+
+PREFIX_WINDOW = 5
+
+
+class Detokenizer:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+
+    def _decode_batch(self, batch: list[list[int]], skip_special: bool) -> list[str]:
+        if self.backend is not None:
+            return self.backend.decode_batch(batch, skip_special_tokens=skip_special)
+        return [self.tokenizer.decode(ids, skip_special_tokens=skip_special) for ids in batch]
+
+    def step(self, seqs: list[Sequence]) -> list[str]:
+        """Append each sequence's newly readable text to ``seq.text``; return the deltas."""
+        deltas = [""] * len(seqs)
+        for skip in (True, False):
+            idx = [i for i, s in enumerate(seqs) if s.params.skip_special_tokens == skip]
+            if not idx:
+                continue
+            windows = []
+            for i in idx:
+                seq = seqs[i]
+                if seq.read_offset == 0:
+                    seq.read_offset = seq.num_prompt_tokens
+                    seq.prefix_offset = max(0, seq.num_prompt_tokens - PREFIX_WINDOW)
+                windows.append(seq.token_ids[seq.prefix_offset:seq.read_offset])
+                windows.append(seq.token_ids[seq.prefix_offset:])
+            texts = self._decode_batch(windows, skip)
+            for n, i in enumerate(idx):
+                seq = seqs[i]
+                before, after = texts[2 * n], texts[2 * n + 1]
+                if len(after) > len(before) and not after.endswith("\ufffd"):
+                    delta = after[len(before):]
+                    seq.text += delta
+                    deltas[i] = delta
+                    seq.prefix_offset = seq.read_offset
+                    seq.read_offset = seq.num_tokens
+        return deltas
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._decode_batch([token_ids], skip_special_tokens)[0]
+
+
+def find_stop_string(seq: Sequence, delta: str) -> str | None:
+    """If a stop string now appears in the text, trim the text and return the string."""
+    stops = seq.params.stop_strings
+    if not stops or not delta:
+        return None
+    longest = max(len(s) for s in stops)
+    start = max(0, len(seq.text) - len(delta) - longest + 1)
+    found = [(pos, stop) for stop in stops if (pos := seq.text.find(stop, start)) != -1]
+    if not found:
+        return None
+    pos, stop = min(found)
+    end = pos + len(stop) if seq.params.include_stop_str_in_output else pos
+    seq.text = seq.text[:end]
+    return stop

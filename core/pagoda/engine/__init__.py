@@ -1,0 +1,1 @@
+"""The engine: LLMEngine (request lifecycle), ModelRunner (device state), step inputs, graphs."""

@@ -1,0 +1,77 @@
+"""Turning a SchedulerOutput into the flat tensors one model step needs (numpy, no loops
+over tokens): input ids, positions, slot mapping, block tables and the sampling rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagoda.forward_context import AttentionMetadata
+from pagoda.scheduler import SchedulerOutput
+from pagoda.sequence import Sequence
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    token_seq_lens: torch.Tensor  # [T] int32, total tokens of each token's sequence
+    meta: AttentionMetadata
+    sample_indices: torch.Tensor  # [N] rows of the hidden states to sample from
+    sample_seqs: list[Sequence]
+
+
+def build_step_inputs(out: SchedulerOutput, block_size: int, device: torch.device,
+                      block_table_width: int | None = None) -> StepInputs:
+    items = out.scheduled
+    n = len(items)
+    computed = np.fromiter((it.seq.num_computed_tokens for it in items), np.int64, n)
+    num_new = np.fromiter((it.num_new_tokens for it in items), np.int64, n)
+    total = np.fromiter((it.seq.num_tokens for it in items), np.int64, n)
+    qsl = np.zeros(n + 1, np.int64)
+    np.cumsum(num_new, out=qsl[1:])
+    t = int(qsl[-1])
+    seq_lens = computed + num_new
+
+    if out.num_decodes == n:  # pure decode: the token to compute is each sequence's last one
+        ids = np.fromiter((it.seq.token_ids[-1] for it in items), np.int64, n)
+        positions = computed
+        row = np.arange(n)
+        token_seq_lens = total
+    else:
+        ids = np.empty(t, np.int64)
+        for it, start, c, k in zip(items, qsl[:-1].tolist(), computed.tolist(), num_new.tolist()):
+            ids[start:start + k] = it.seq.token_ids[c:c + k]
+        row = np.repeat(np.arange(n), num_new)
+        positions = np.arange(t, dtype=np.int64) - np.repeat(qsl[:-1] - computed, num_new)
+        token_seq_lens = np.repeat(total, num_new)
+
+    max_blocks = int(-(-seq_lens.max() // block_size)) if n else 1
+    width = max(block_table_width or max_blocks, max_blocks)
+    tables = np.zeros((n, width), np.int32)
+    for i, it in enumerate(items):
+        bt = it.seq.block_table
+        k = min(len(bt), width)
+        tables[i, :k] = bt[:k]
+    slots = tables[row, positions // block_size].astype(np.int64) * block_size + positions % block_size
+
+    sample_rows = [i for i, it in enumerate(items) if it.sample]
+    sample_idx = qsl[1:][sample_rows] - 1
+
+    def dev(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
+
+    meta = AttentionMetadata(
+        num_tokens=t, num_seqs=n, num_decodes=out.num_decodes,
+        max_query_len=int(num_new.max()) if n else 0, max_seq_len=int(seq_lens.max()) if n else 0,
+        block_size=block_size,
+        query_start_loc=dev(qsl.astype(np.int32)), seq_lens=dev(seq_lens.astype(np.int32)),
+        block_tables=dev(tables), slot_mapping=dev(slots),
+        query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist(),
+    )
+    return StepInputs(
+        input_ids=dev(ids), positions=dev(positions), token_seq_lens=dev(token_seq_lens.astype(np.int32)),
+        meta=meta, sample_indices=dev(sample_idx), sample_seqs=[items[i].seq for i in sample_rows],
+    )

@@ -1,0 +1,259 @@
+"""LLMEngine: requests in, RequestOutputs out, one ``step()`` at a time."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pagoda.block_manager import BlockManager
+from pagoda.config import EngineConfig
+from pagoda.detokenizer import Detokenizer, find_stop_string
+from pagoda.engine.model_runner import ModelRunner
+from pagoda.errors import ConfigError, RequestError
+from pagoda.loader.model_loader import load_config
+from pagoda.loader.source import resolve_source
+from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
+from pagoda.sampling_params import SamplingParams
+from pagoda.scheduler import Scheduler
+from pagoda.selection import select_platform
+from pagoda.sequence import Request, Sequence, SequenceStatus
+from pagoda.tokenizer import load_tokenizer
+
+logger = logging.getLogger("pagoda")
+
+
+@dataclass
+class StepTimes:
+    schedule: float = 0.0
+    prefill: float = 0.0  # model time of steps that hold any prefill chunk
+    decode: float = 0.0  # model time of decode-only steps
+    postprocess: float = 0.0
+    steps: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        device_name, dtype = config.resolved_device_and_dtype()
+        self.platform = select_platform(device_name)
+        if dtype == "auto":
+            dtype = self.platform.default_dtype
+        self.dtype = dtype
+        self.source = resolve_source(config.model)
+        self.hf_config = load_config(self.source)
+        self.model_name = config.served_model_name or self.source.name
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(self.source, config.tokenizer)
+        self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
+        self.max_model_len = self._max_model_len()
+        device = self.platform.device(0)
+        self.platform.set_device(0)
+        torch.manual_seed(config.seed)
+        self.runner = ModelRunner(config, self.source, self.hf_config, self.platform, dtype, device)
+        num_blocks = self.runner.allocate_kv_cache()
+        if num_blocks * config.block_size < self.max_model_len:
+            raise ConfigError(
+                f"the KV cache holds {num_blocks} blocks × block_size {config.block_size} = "
+                f"{num_blocks * config.block_size} tokens, less than one sequence of max_model_len="
+                f"{self.max_model_len}: lower max_model_len or give the cache more room "
+                f"(num_kv_blocks, kv_cache_memory_gb, memory_utilization)")
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len)
+        self.runner.capture_graphs(config.max_num_seqs, self.max_model_len)
+        self.eos_token_ids = self._eos_ids()
+        self.requests: dict[str, Request] = {}
+        self._counter = itertools.count()
+        self.times = StepTimes()
+
+    # ------------------------------------------------------------------ setup helpers
+    def _max_model_len(self) -> int:
+        limit = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        if self.config.max_model_len is None:
+            return int(limit)
+        if self.config.max_model_len > limit:
+            raise ConfigError(f"max_model_len={self.config.max_model_len} exceeds the model's "
+                              f"max_position_embeddings={limit}")
+        return self.config.max_model_len
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (getattr(self.hf_config, "eos_token_id", None),
+                    getattr(getattr(self.hf_config, "generation_config", None), "eos_token_id", None),
+                    getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(src, int):
+                ids.add(src)
+            elif isinstance(src, (list, tuple)):
+                ids.update(i for i in src if isinstance(i, int))
+        return ids
+
+    # ------------------------------------------------------------------ requests
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError("this model has no tokenizer (none in its directory, or skip_tokenizer_init): "
+                               "pass token ids", field="prompt")
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def add_request(self, request_id: str | None, prompt: str | list[int] | None,
+                    params: SamplingParams | None = None, prompt_token_ids: list[int] | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Validate and queue a request. A bad request raises RequestError and changes nothing."""
+        params = params or SamplingParams()
+        params.validate(self.config.max_logprobs)
+        if request_id is None:
+            request_id = f"req-{next(self._counter)}"
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use", field="request_id")
+        text = prompt if isinstance(prompt, str) else None
+        if prompt_token_ids is None:
+            if isinstance(prompt, str):
+                prompt_token_ids = self.tokenize(prompt)
+            elif isinstance(prompt, (list, tuple)):
+                prompt_token_ids = list(prompt)
+            else:
+                raise RequestError("a prompt (text or token ids) is required", field="prompt")
+        vocab = self.hf_config.vocab_size
+        if not prompt_token_ids:
+            raise RequestError("the prompt is empty", field="prompt")
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_token_ids):
+            raise RequestError(f"prompt token ids must be integers in [0, {vocab})", field="prompt")
+        budget = self.max_model_len - len(prompt_token_ids)
+        if budget < 1:
+            raise RequestError(f"the prompt has {len(prompt_token_ids)} tokens; this model's max_model_len "
+                               f"is {self.max_model_len}, which leaves no room for output", field="prompt")
+        if params.max_tokens is not None and params.max_tokens > budget:
+            params = SamplingParams(**{**_fields(params), "max_tokens": budget})
+        request = Request(request_id, text, list(prompt_token_ids), params, arrival_time or time.time())
+        self.requests[request_id] = request
+        for seq in request.seqs:
+            self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            request = self.requests.pop(rid, None)
+            if request is None:
+                continue
+            for seq in request.seqs:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                self.runner.sampler.forget(seq.seq_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if out.is_empty:
+            return []
+        for item in out.scheduled:
+            m = self.requests[item.seq.request_id].metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = time.time()
+                m.num_cached_tokens = item.seq.num_computed_tokens
+        result = self.runner.execute(out)
+        t2 = time.perf_counter()
+        seqs = [it.seq for it in out.scheduled if it.sample]
+        sampled = {s.seq_id: tok for s, tok in zip(seqs, result.tokens)}
+        for seq, lp in zip(seqs, result.logprobs):
+            if lp is not None:
+                self._record_logprob(seq, sampled[seq.seq_id], lp)
+        touched = self.scheduler.update(out, sampled, self.eos_token_ids)
+        outputs = self._process_outputs(touched)
+        t3 = time.perf_counter()
+        tm = self.times
+        tm.steps += 1
+        tm.schedule += t1 - t0
+        if out.num_decodes == len(out.scheduled):
+            tm.decode += t2 - t1
+        else:
+            tm.prefill += t2 - t1
+        tm.postprocess += t3 - t2
+        return outputs
+
+    def _record_logprob(self, seq: Sequence, token: int, lp) -> None:
+        chosen, rank, top = lp
+        seq.cumulative_logprob += chosen
+        entry = {tid: Logprob(val, r + 1) for r, (tid, val) in enumerate(top)}
+        entry[token] = Logprob(chosen, rank)
+        if self.tokenizer is not None:
+            for tid, item in entry.items():
+                item.decoded_token = self.tokenizer.convert_ids_to_tokens(tid)
+        seq.logprobs.append(entry)
+
+    def _process_outputs(self, touched: list[Sequence]) -> list[RequestOutput]:
+        if self.detokenizer is not None:
+            live = [s for s in touched if s.params.detokenize]
+            deltas = self.detokenizer.step(live)
+            for seq, delta in zip(live, deltas):
+                stop = find_stop_string(seq, delta)
+                if stop is not None:
+                    seq.stop_reason = stop
+                    if seq.status is SequenceStatus.RUNNING:
+                        self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+                    else:
+                        seq.status = SequenceStatus.FINISHED_STOPPED
+        now = time.time()
+        outputs = []
+        for rid in dict.fromkeys(s.request_id for s in touched):
+            request = self.requests[rid]
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            finished = request.finished
+            if finished:
+                request.metrics.finished_time = now
+                del self.requests[rid]
+                for seq in request.seqs:
+                    self.runner.sampler.forget(seq.seq_id)
+            outputs.append(self.make_output(request, finished))
+        return outputs
+
+    def make_output(self, request: Request, finished: bool) -> RequestOutput:
+        completions = []
+        for seq in request.seqs:
+            completions.append(CompletionOutput(
+                index=seq.index, text=seq.text, token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                finish_reason=seq.finish_reason(), stop_reason=seq.stop_reason))
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
+                             finished, request.metrics, request.metrics.num_cached_tokens)
+
+    # ------------------------------------------------------------------ stats
+    def get_stats(self) -> dict[str, Any]:
+        bm = self.block_manager
+        stats = {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_free": bm.num_free_blocks,
+            "num_preemptions": self.scheduler.stats.num_preemptions,
+            "num_steps": self.scheduler.stats.num_steps,
+            "prefill_tokens_computed": self.scheduler.stats.num_prefill_tokens,
+            "generated_tokens": self.scheduler.stats.num_generated_tokens,
+            "prefix_cache_hit_tokens": bm.prefix_hits,
+            "prefix_cache_query_tokens": bm.prefix_queries,
+        }
+        from pagoda.engine.expert_stats import expert_load_summary
+
+        experts = expert_load_summary(self.runner.expert_counts)
+        if experts:
+            stats["expert_load"] = experts
+        return stats
+
+
+def _fields(params: SamplingParams) -> dict:
+    from dataclasses import fields
+
+    return {f.name: getattr(params, f.name) for f in fields(params) if f.init}

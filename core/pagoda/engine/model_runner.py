@@ -1,0 +1,146 @@
+"""The ModelRunner owns device state: the model, the KV cache, static buffers and graphs.
+
+It turns each scheduled step into tensors, runs ``model.forward(input_ids, positions)``
+inside a ForwardContext, computes logits for the sampling rows and samples.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from pagoda import kernels
+from pagoda.config import EngineConfig
+from pagoda.engine.inputs import StepInputs, build_step_inputs
+from pagoda.errors import ConfigError
+from pagoda.forward_context import ForwardContext, set_forward_context
+from pagoda.interfaces import AttentionBackend, AttentionSpec, Platform
+from pagoda.layers.attention import Attention
+from pagoda.loader.model_loader import build_model
+from pagoda.loader.source import ModelSource
+from pagoda.sampler import Sampler, SampleResult
+from pagoda.scheduler import SchedulerOutput
+from pagoda.selection import select_allocator, select_attention_backend
+
+logger = logging.getLogger("pagoda")
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype == "fp8":
+        return torch.float8_e4m3fn
+    raise ConfigError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported (auto, fp8)")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource, hf_config, platform: Platform,
+                 dtype: str, device: torch.device):
+        self.config = config
+        self.platform = platform
+        self.device = device
+        self.dtype = TORCH_DTYPES[dtype]
+        self.dtype_name = dtype
+        kernels.activate(platform.name)
+        t0 = time.perf_counter()
+        self.model = build_model(config, source, hf_config, self.dtype, device)
+        self.load_seconds = time.perf_counter() - t0
+        self.attn_layers: list[Attention] = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for i, layer in enumerate(self.attn_layers):
+            layer.layer_index = i
+        self.backends: dict[str, AttentionBackend] = {}
+        for layer in self.attn_layers:
+            if layer.spec.kind not in self.backends:
+                self.backends[layer.spec.kind] = select_attention_backend(
+                    config.attention_backend, platform, dtype, layer.spec)
+        self.sampler = Sampler(device, config.seed)
+        self.kv_caches: list[torch.Tensor] = []
+        self.num_blocks = 0
+        self.graphs = None  # pagoda.engine.graphs.DecodeGraphs when captured
+        self.expert_counts: dict[str, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ KV cache
+    def kv_cache_dtype(self) -> torch.dtype:
+        return kv_cache_torch_dtype(self.config.kv_cache_dtype, self.dtype)
+
+    def _layer_shape(self, layer: Attention, num_blocks: int) -> tuple[int, ...]:
+        return self.backends[layer.spec.kind].kv_cache_shape(layer.spec, num_blocks, self.config.block_size)
+
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.kv_cache_dtype()).element_size()
+        total = 0
+        for layer in self.attn_layers:
+            numel = 1
+            for d in self._layer_shape(layer, 1):
+                numel *= d
+            total += numel * elem
+        return total
+
+    def kv_bytes_per_token(self) -> float:
+        return self.bytes_per_block() / self.config.block_size
+
+    def allocate_kv_cache(self) -> int:
+        allocator = select_allocator(self.platform)
+        self.platform.synchronize()
+        self.num_blocks = allocator.num_blocks(self.platform, max(1, self.bytes_per_block()), self.config)
+        shapes = [self._layer_shape(layer, self.num_blocks) for layer in self.attn_layers]
+        self.kv_caches = allocator.allocate(shapes, self.kv_cache_dtype(), self.device)
+        for layer, cache in zip(self.attn_layers, self.kv_caches):
+            layer.bind_kv_cache(cache)
+        return self.num_blocks
+
+    # ------------------------------------------------------------------ execution
+    def _context(self, inputs: StepInputs) -> ForwardContext:
+        meta = inputs.meta
+        for backend in self.backends.values():
+            meta.backend_data = backend.prepare(meta)
+        return ForwardContext(attn_metadata=meta, backends=self.backends, token_seq_lens=inputs.token_seq_lens)
+
+    def _accumulate_experts(self, ctx: ForwardContext) -> None:
+        for name, counts in ctx.expert_counts.items():
+            acc = self.expert_counts.get(name)
+            self.expert_counts[name] = counts.detach().clone() if acc is None else acc.add_(counts)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> SampleResult:
+        if self.graphs is not None and self.graphs.can_run(out):
+            logits = self.graphs.run(out)
+            seqs = [it.seq for it in out.scheduled]
+        else:
+            inputs = build_step_inputs(out, self.config.block_size, self.device)
+            ctx = self._context(inputs)
+            with set_forward_context(ctx):
+                hidden = self.model(inputs.input_ids, inputs.positions)
+                logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
+            self._accumulate_experts(ctx)
+            seqs = inputs.sample_seqs
+        if not seqs:
+            return SampleResult([], [])
+        return self.sampler(logits[: len(seqs)], seqs)
+
+    @torch.inference_mode()
+    def forward_all_logits(self, out: SchedulerOutput) -> torch.Tensor:
+        """Logits of every scheduled token (tests and scoring): [T, vocab] float32."""
+        inputs = build_step_inputs(out, self.config.block_size, self.device)
+        with set_forward_context(self._context(inputs)):
+            hidden = self.model(inputs.input_ids, inputs.positions)
+            return self.model.compute_logits(hidden).float()
+
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture decode graphs where the platform and every backend allow it."""
+        if self.config.enforce_eager or not self.platform.supports_graphs:
+            return
+        if not all(b.supports_graphs for b in self.backends.values()):
+            logger.info("graphs off: attention backend %s cannot be captured",
+                        [b.name for b in self.backends.values() if not b.supports_graphs])
+            return
+        from pagoda.engine.graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self, max_num_seqs, max_model_len)
+        self.graphs.capture()
+
+    def spec_summary(self) -> list[AttentionSpec]:
+        return [layer.spec for layer in self.attn_layers]

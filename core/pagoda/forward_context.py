@@ -1,0 +1,84 @@
+"""Per-step state the layers read while the model runs: attention metadata and the backend.
+
+Model code never takes attention metadata as an argument; the runner sets the context
+around ``model.forward(input_ids, positions)`` and the Attention layer reads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """A flattened batch: ``num_decodes`` one-token sequences first, then prefill chunks.
+
+    Device tensors:
+      query_start_loc [B+1] int32  token offsets of each sequence in the batch
+      seq_lens        [B]   int32  tokens in the cache after this step (context + new)
+      block_tables    [B, max_blocks] int32  cache block ids, padded with 0
+      slot_mapping    [T]   int64  cache slot (block * block_size + offset) of each new token
+    Host copies (``*_cpu``, python lists) serve reference backends and metadata building.
+    """
+
+    num_tokens: int
+    num_seqs: int
+    num_decodes: int
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    for_graph: bool = False  # captured in a graph: host values may be stale, use tensors only
+    backend_data: Any = None
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes
+
+    @property
+    def num_prefills(self) -> int:
+        return self.num_seqs - self.num_decodes
+
+
+@dataclass
+class ForwardContext:
+    attn_metadata: AttentionMetadata | None
+    backends: dict[str, Any]  # attention kind ("mha"/"mla") -> selected AttentionBackend
+    # Per-token total sequence length (prompt + generated when the token was scheduled);
+    # set only when a layer asked for it (long-context rotary scaling).
+    token_seq_lens: torch.Tensor | None = None
+    # MoE layers add per-expert token counts here: layer prefix -> LongTensor [num_experts]
+    expert_counts: dict[str, torch.Tensor] = field(default_factory=dict)
+    record_expert_counts: bool = False
+    # debug hook: attention-map captures (pagoda attention-map); None in normal runs
+    attention_probe: Any = None
+
+
+_CONTEXT: ForwardContext | None = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _CONTEXT is None:
+        raise RuntimeError("no forward context: model.forward must run inside pagoda's ModelRunner "
+                           "(or pagoda.forward_context.set_forward_context)")
+    return _CONTEXT
+
+
+@contextlib.contextmanager
+def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    global _CONTEXT
+    prev, _CONTEXT = _CONTEXT, ctx
+    try:
+        yield ctx
+    finally:
+        _CONTEXT = prev

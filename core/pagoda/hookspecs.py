@@ -1,0 +1,87 @@
+"""The plugin contract: six collect-all hooks.
+
+Every hook is called once per process, when the plugin manager is first needed
+(``pagoda.plugins.get_plugin_manager()``), in no particular order. Each receives a
+``register`` callable and calls it zero or more times. The core stores what is
+registered in a registry (``pagoda.registry``) that rejects a name registered twice
+with an error naming both distributions, so the order of hook calls never matters.
+
+Heavy imports (torch kernels, triton, vendor extensions) must happen lazily inside the
+registered objects or behind ``"module:attr"`` strings, never at plugin import: discovery
+stays fast and a missing device library cannot break unrelated plugins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pluggy
+
+PROJECT = "pagoda"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def register_platforms(register: Callable) -> None:
+    """Register device platforms.
+
+    ``register(platform)`` takes an instance of ``pagoda.interfaces.Platform`` (its
+    ``name`` is the registry key, e.g. ``"cuda"``). ``device: auto`` selects the
+    available platform of highest ``priority``; an explicitly requested platform that
+    is unavailable is an error carrying ``platform.unavailable_reason()``.
+    """
+
+
+@hookspec
+def register_attention_backends(register: Callable) -> None:
+    """Register attention backends.
+
+    ``register(backend)`` takes an instance of ``pagoda.interfaces.AttentionBackend``.
+    ``attention_backend: auto`` selects, among backends whose ``supports(...)`` returns
+    no reason for the platform, dtype, head size and attention kind (``"mha"`` or
+    ``"mla"``), the one with the highest ``priority``.
+    """
+
+
+@hookspec
+def register_models(register: Callable) -> None:
+    """Register model architectures.
+
+    ``register(architecture, model)`` maps an HF architecture name as found in a
+    checkpoint's ``config.json`` ``architectures`` list (e.g. ``"LlamaForCausalLM"``) to a
+    model class or a lazy ``"module:Class"`` string, imported only when selected.
+    """
+
+
+@hookspec
+def register_quantizers(register: Callable) -> None:
+    """Register quantization methods.
+
+    ``register(quantizer)`` takes an instance of ``pagoda.interfaces.Quantizer``. Its
+    ``name`` matches a checkpoint's ``quantization_config.quant_method`` or the user's
+    ``quantization:`` setting; it builds a ``QuantConfig`` that hands each layer its
+    ``QuantMethod``.
+    """
+
+
+@hookspec
+def register_allocators(register: Callable) -> None:
+    """Register KV cache allocators.
+
+    ``register(allocator)`` takes an instance of ``pagoda.interfaces.KVAllocator``. For
+    the selected platform the allocator of highest ``priority`` among those listing that
+    platform sizes and allocates the KV cache.
+    """
+
+
+@hookspec
+def register_kernels(register: Callable) -> None:
+    """Register named kernel ops.
+
+    ``register(op, platform, impl, priority=0)``: ``op`` is a name such as
+    ``"rms_norm"`` (the signatures are documented in ``pagoda.kernels.reference``),
+    ``platform`` a platform name or ``"*"`` for any, ``impl`` a callable or a lazy
+    ``"module:function"`` string. Per platform and op the highest priority wins; the
+    core's torch reference (priority 0, platform ``"*"``) is the floor.
+    """

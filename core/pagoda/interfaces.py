@@ -1,0 +1,206 @@
+"""The objects plugins register: platforms, attention backends, KV allocators, quantizers.
+
+This module imports no torch at import time so that plugin discovery stays cheap; the
+methods that need torch import it inside.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+# ---------------------------------------------------------------------------- platforms
+class Platform:
+    """A kind of device. Subclass and override what differs from the defaults."""
+
+    name: str = ""  # registry key and the value of EngineConfig.device ("cpu", "cuda", ...)
+    device_type: str = ""  # torch device type string
+    priority: int = 0  # device "auto" picks the available platform of highest priority
+    dist_backend: str = "gloo"  # torch.distributed backend for this device
+    default_dtype: str = "float32"
+    supports_graphs: bool = False  # whether capture_graph works
+
+    def is_available(self) -> bool:
+        return self.unavailable_reason() is None
+
+    def unavailable_reason(self) -> str | None:
+        """None when usable here; otherwise why not, naming the missing library or device."""
+        return None
+
+    def device(self, index: int = 0) -> torch.device:
+        import torch
+
+        return torch.device(self.device_type, index) if self.device_type != "cpu" else torch.device("cpu")
+
+    def device_count(self) -> int:
+        return 1
+
+    def set_device(self, index: int) -> None:
+        pass
+
+    def memory_info(self) -> tuple[int, int]:
+        """(free bytes, total bytes) of the device memory."""
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def capture_graph(self, fn: Callable[[], Any], pool: Any = None) -> CapturedGraph:
+        """Capture ``fn`` once; ``replay()`` reruns it on the same static buffers."""
+        raise NotImplementedError(f"platform {self.name!r} has no graph capture")
+
+    def graph_pool(self) -> Any:
+        return None
+
+    def describe(self) -> str:
+        return self.name
+
+
+class CapturedGraph:
+    """What ``Platform.capture_graph`` returns: ``output`` is fn's result, in static buffers."""
+
+    output: Any = None
+
+    def replay(self) -> None:
+        raise NotImplementedError
+
+
+# ---------------------------------------------------------------------------- attention
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What one attention layer needs from a backend and from the KV cache.
+
+    kind "mha" (multi-head, grouped-query included): the cache holds K and V for
+    ``num_kv_heads`` heads of ``head_size``. kind "mla": the cache holds one latent vector
+    of ``kv_lora_rank + qk_rope_head_dim`` per token; ``extra`` carries the MLA dims.
+    """
+
+    kind: str
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+class AttentionBackend:
+    """Attention over the paged KV cache for a flattened batch of prefill chunks and decodes.
+
+    The runner orders each batch with decode sequences (one new token each) first, then
+    prefill chunks, and describes it with ``pagoda.forward_context.AttentionMetadata``.
+    """
+
+    name: str = ""
+    priority: int = 0
+    platforms: tuple[str, ...] = ("*",)  # platform names, "*" for any
+    kinds: tuple[str, ...] = ("mha",)
+    dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")
+    # Whether forward() may be captured in a graph for decode-only batches.
+    supports_graphs: bool = False
+
+    def supports(self, platform: str, dtype: str, spec: AttentionSpec) -> str | None:
+        """None if this backend can run ``spec`` on ``platform`` in ``dtype``; else the reason."""
+        if "*" not in self.platforms and platform not in self.platforms:
+            return f"runs on {', '.join(self.platforms)}, not {platform}"
+        if spec.kind not in self.kinds:
+            return f"does not implement attention kind {spec.kind!r}"
+        if dtype not in self.dtypes:
+            return f"does not support dtype {dtype}"
+        return None
+
+    def kv_cache_shape(self, spec: AttentionSpec, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of one layer's cache tensor."""
+        if spec.kind == "mla":
+            return (num_blocks, block_size, spec.latent_dim)
+        return (2, num_blocks, block_size, spec.num_kv_heads, spec.head_size)
+
+    def prepare(self, meta: Any) -> Any:
+        """Called once per step before the model runs; the result is ``meta.backend_data``."""
+        return None
+
+    def forward(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
+        """MHA: q [T, num_heads*head_size], k/v [T, num_kv_heads*head_size] for the new
+        tokens; stores k/v at ``meta.slot_mapping`` then returns [T, num_heads*head_size].
+        ``layer.spec`` is the AttentionSpec. MLA backends define ``forward_mla`` instead."""
+        raise NotImplementedError
+
+
+# ---------------------------------------------------------------------------- KV allocator
+class KVAllocator:
+    """Decides how many KV blocks fit and allocates the per-layer cache tensors."""
+
+    name: str = ""
+    priority: int = 0
+    platforms: tuple[str, ...] = ("*",)
+
+    def num_blocks(self, platform: Platform, bytes_per_block: int, config: Any) -> int:
+        raise NotImplementedError
+
+    def allocate(self, shapes: list[tuple[int, ...]], dtype: torch.dtype,
+                 device: torch.device) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+
+# ---------------------------------------------------------------------------- quantization
+class QuantMethod:
+    """How one layer holds and applies its (possibly quantized) weights."""
+
+    def create_weights(self, layer: Any, input_size: int, output_sizes: list[int],
+                       params_dtype: torch.dtype) -> None:
+        """Register parameters on ``layer`` for a [sum(output_sizes), input_size] weight
+        (sizes already divided per tensor-parallel rank). Each parameter carries
+        ``output_dim`` / ``input_dim`` attributes used by the weight loaders."""
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: Any) -> None:
+        pass
+
+    def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class QuantConfig:
+    """A parsed quantization setting; hands every layer its method (None: full precision)."""
+
+    name: str = ""
+
+    def get_method(self, layer: Any, prefix: str) -> QuantMethod | None:
+        return None
+
+    def get_moe_method(self, layer: Any, prefix: str) -> Any:
+        return None
+
+    def kv_cache_dtype(self) -> str | None:
+        return None
+
+
+class Quantizer:
+    """Registered through ``register_quantizers``; parses settings into a QuantConfig."""
+
+    name: str = ""
+    description: str = ""
+
+    def from_checkpoint(self, quantization_config: dict) -> QuantConfig:
+        """From a checkpoint's ``quantization_config`` whose ``quant_method`` is ``name``."""
+        raise NotImplementedError
+
+    def from_user(self, options: dict) -> QuantConfig:
+        """From the user's ``quantization:`` setting (online quantization at load)."""
+        raise NotImplementedError

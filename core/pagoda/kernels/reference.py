@@ -1,0 +1,120 @@
+"""The torch reference of every kernel op: correct on any device, and the floor.
+
+All ops are functional (they return new tensors) except ``store_kv_cache``, which writes
+into the cache. Shapes: T tokens in the flattened batch, H hidden size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, H], weight [H] -> [T, H]; variance in float32, as HF transformers does."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual); the sum is in the activation dtype."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_size: int,
+                     cos_sin_cache: torch.Tensor, is_neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate the first ``rotary_dim`` dims of every head of q [T, nq*hs] and k [T, nk*hs].
+
+    cos_sin_cache [P, rotary_dim] float32 holds cos in the first half, sin in the second, for
+    each row index; ``positions`` [T] are row indices into it (a scaled rope folds its scaling
+    into the cache). is_neox: rotate halves (x1 = first half, x2 = second half); otherwise
+    rotate interleaved pairs (x1 = even dims, x2 = odd dims).
+    """
+    cos_sin = cos_sin_cache.index_select(0, positions.long())
+    rot = cos_sin.shape[-1]
+    cos, sin = cos_sin[:, None, : rot // 2], cos_sin[:, None, rot // 2:]
+
+    def apply(x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        xh = x.view(t, -1, head_size)
+        xr = xh[..., :rot].float()
+        if is_neox:
+            x1, x2 = xr[..., : rot // 2], xr[..., rot // 2:]
+            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        else:
+            x1, x2 = xr[..., 0::2], xr[..., 1::2]
+            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        if rot == head_size:
+            return out.to(x.dtype).view(t, -1)
+        return torch.cat((out.to(x.dtype), xh[..., rot:]), dim=-1).view(t, -1)
+
+    return apply(q), apply(k)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] -> silu(x[:, :I]) * x[:, I:]."""
+    d = x.shape[-1] // 2
+    return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] -> gelu_tanh(x[:, :I]) * x[:, I:]."""
+    d = x.shape[-1] // 2
+    return torch.nn.functional.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+
+def store_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Write k, v [T, nk, hs] into kv_cache [2, num_blocks, block_size, nk, hs] at the flat
+    slots ``slot_mapping`` [T] (block * block_size + offset); slots < 0 are skipped (padding)."""
+    nk, hs = kv_cache.shape[-2], kv_cache.shape[-1]
+    k_flat = kv_cache[0].view(-1, nk, hs)
+    v_flat = kv_cache[1].view(-1, nk, hs)
+    slots = slot_mapping.long()
+    if slots.numel() and bool((slots < 0).any()):
+        keep = slots >= 0
+        slots, k, v = slots[keep], k[keep], v[keep]
+    k_flat.index_copy_(0, slots, k.to(kv_cache.dtype))
+    v_flat.index_copy_(0, slots, v.to(kv_cache.dtype))
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """Mixture-of-experts MLP, tokens grouped by expert.
+
+    hidden [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_weights
+    [T, K] (float32) and topk_ids [T, K] from the router. Returns
+    sum_k topk_weights[t, k] * w2[e] @ act_and_mul(w13[e] @ hidden[t]) with e = topk_ids[t, k].
+    """
+    t, k = topk_ids.shape
+    act = silu_and_mul if activation == "silu" else gelu_tanh_and_mul
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)  # (token, k) pairs grouped by expert
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    token_of = order // k
+    out = torch.zeros(t * k, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = order[start:start + count]
+        x = hidden.index_select(0, token_of[start:start + count])
+        y = act(x @ w13[expert].t()) @ w2[expert].t()
+        out.index_copy_(0, rows, y)
+        start += count
+    weights = topk_weights.reshape(-1, 1).to(hidden.dtype)
+    return (out * weights).view(t, k, -1).sum(dim=1)
+
+
+OPS = {
+    "rms_norm": rms_norm,
+    "fused_add_rms_norm": fused_add_rms_norm,
+    "rotary_embedding": rotary_embedding,
+    "silu_and_mul": silu_and_mul,
+    "gelu_tanh_and_mul": gelu_tanh_and_mul,
+    "store_kv_cache": store_kv_cache,
+    "fused_moe": fused_moe,
+}

@@ -1,0 +1,99 @@
+"""The offline API, with vLLM's names: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import torch
+
+from pagoda.config import EngineConfig, load_engine_config
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+from pagoda.scheduler import ScheduledSeq, SchedulerOutput
+from pagoda.sequence import Sequence
+
+
+class LLM:
+    """An engine for offline batches.
+
+    ``LLM(model="dir", device="cpu", dtype="float32", max_num_seqs=8, ...)`` takes every
+    EngineConfig key as a keyword; ``config_file`` reads a YAML file first.
+    """
+
+    def __init__(self, model: str | None = None, config_file: str | None = None, **kwargs: Any):
+        config = kwargs.pop("config", None)
+        if config is None:
+            config = load_engine_config(config_file, model=model, **kwargs)
+        elif not isinstance(config, EngineConfig):
+            raise TypeError("config must be an EngineConfig")
+        self.config = config
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Outputs in the order of ``prompts`` (text, or token-id lists)."""
+        del use_tqdm
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.engine.add_request(f"llm-{next(self._ids)}", prompt, p))
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        return self._run(ids)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        from pagoda.tokenizer import apply_chat_template
+
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [apply_chat_template(self.tokenizer, conv, add_generation_prompt) for conv in conversations]
+        token_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        return self.generate(token_ids, sampling_params)
+
+    def _run(self, ids: list[str]) -> list[RequestOutput]:
+        wanted = set(ids)
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            if not self.engine.has_unfinished_requests():
+                break
+            for out in self.engine.step():
+                if out.finished and out.request_id in wanted:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    def prompt_logits(self, prompt_token_ids: Seq[int]) -> torch.Tensor:
+        """Logits [len(prompt), vocab] (float32) of every prompt position, computed in one
+        prefill through the paged path. For tests and scoring."""
+        engine = self.engine
+        seq = Sequence("score", 0, list(prompt_token_ids), SamplingParams(max_tokens=1))
+        if not engine.block_manager.allocate_slots(seq, seq.num_tokens):
+            raise RuntimeError("not enough free KV blocks to score this prompt")
+        try:
+            seq.num_computed_tokens = 0  # compute every position, even a cached prefix
+            out = SchedulerOutput([ScheduledSeq(seq, seq.num_tokens, True)], 0, seq.num_tokens)
+            return engine.runner.forward_all_logits(out)
+        finally:
+            engine.block_manager.free(seq)
+
+    def get_stats(self) -> dict:
+        return self.engine.get_stats()

@@ -1,0 +1,152 @@
+"""GGUF files: the HF config, tokenizer and chat template from the metadata, and the
+weights dequantized at load under their HF names (Llama-family architectures)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import torch
+from pagoda.errors import ModelLoadError
+
+# GGUF architecture -> HF model_type and architecture class
+ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "mistral": ("mistral", "MistralForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+# GGUF per-layer tensor name -> HF name (after "model.layers.N.")
+LAYER_TENSORS = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+TOKEN_TYPE_CONTROL = 3
+
+
+@functools.lru_cache(maxsize=2)
+def open_gguf(path: Path) -> GGUFCheckpoint:
+    """Parse a GGUF file once per process (its metadata takes seconds to read)."""
+    return GGUFCheckpoint(Path(path))
+
+
+class GGUFCheckpoint:
+    def __init__(self, path: Path):
+        import gguf
+
+        self.path = path
+        try:
+            self.reader = gguf.GGUFReader(str(path))
+        except Exception as exc:
+            raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
+        self.arch = self.field("general.architecture")
+        if self.arch not in ARCHITECTURES:
+            raise ModelLoadError(f"{path}: GGUF architecture {self.arch!r} is not supported "
+                                 f"(supported: {', '.join(ARCHITECTURES)})")
+
+    def field(self, key: str, default=None):
+        f = self.reader.fields.get(key)
+        if f is None:
+            return default
+        return f.contents()
+
+    def arch_field(self, key: str, default=None):
+        return self.field(f"{self.arch}.{key}", default)
+
+    @cached_property
+    def tensor_names(self) -> set[str]:
+        return {t.name for t in self.reader.tensors}
+
+    def hf_config(self):
+        from transformers import AutoConfig
+
+        model_type, architecture = ARCHITECTURES[self.arch]
+        heads = self.arch_field("attention.head_count")
+        hidden = self.arch_field("embedding_length")
+        tokens = self.reader.fields["tokenizer.ggml.tokens"]
+        values = dict(
+            architectures=[architecture],
+            vocab_size=self.arch_field("vocab_size", len(tokens.data)),
+            hidden_size=hidden,
+            intermediate_size=self.arch_field("feed_forward_length"),
+            num_hidden_layers=self.arch_field("block_count"),
+            num_attention_heads=heads,
+            num_key_value_heads=self.arch_field("attention.head_count_kv", heads),
+            head_dim=self.arch_field("attention.key_length", hidden // heads),
+            max_position_embeddings=self.arch_field("context_length", 2048),
+            rms_norm_eps=self.arch_field("attention.layer_norm_rms_epsilon", 1e-6),
+            rope_theta=self.arch_field("rope.freq_base", 10000.0),
+            tie_word_embeddings="output.weight" not in self.tensor_names,
+            bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
+            eos_token_id=self.field("tokenizer.ggml.eos_token_id"),
+            attention_bias=self.arch == "qwen2",
+        )
+        return AutoConfig.for_model(model_type, **{k: v for k, v in values.items() if v is not None})
+
+    def tokenizer(self):
+        """A fast tokenizer built from the GGUF vocabulary (byte-level BPE, 'gpt2' type)."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        kind = self.field("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ModelLoadError(f"{self.path}: GGUF tokenizer type {kind!r} is not supported (only the "
+                                 f"byte-level BPE type 'gpt2'); pass --tokenizer DIR with an HF tokenizer")
+        tokens = self.field("tokenizer.ggml.tokens")
+        merges = [tuple(m.split(" ", 1)) for m in self.field("tokenizer.ggml.merges")]
+        types = self.field("tokenizer.ggml.token_type") or []
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
+        specials = [tokens[i] for i, t in enumerate(types) if t == TOKEN_TYPE_CONTROL]
+
+        def token(key: str):
+            idx = self.field(f"tokenizer.ggml.{key}_token_id")
+            return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
+
+        hf = PreTrainedTokenizerFast(
+            tokenizer_object=tok, bos_token=token("bos"), eos_token=token("eos"), unk_token=token("unknown"),
+            pad_token=token("padding"), additional_special_tokens=specials, clean_up_tokenization_spaces=False,
+        )
+        template = self.field("tokenizer.chat_template")
+        if template:
+            hf.chat_template = template
+        return hf
+
+    def _reverse_permute(self, w: np.ndarray, heads: int) -> np.ndarray:
+        """llama.cpp stores Llama's q/k rows interleaved per rotary pair; undo it."""
+        return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    def weights(self, sources: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
+        import gguf
+
+        heads = self.arch_field("attention.head_count")
+        kv_heads = self.arch_field("attention.head_count_kv", heads)
+        for t in self.reader.tensors:
+            stem, _, kind = t.name.rpartition(".")
+            if stem.startswith("blk."):
+                _, layer, base = stem.split(".", 2)
+                if base not in LAYER_TENSORS:
+                    raise ModelLoadError(f"{self.path}: unexpected GGUF tensor {t.name!r}")
+                name = f"model.layers.{layer}.{LAYER_TENSORS[base]}.{kind}"
+            elif stem in GLOBAL_TENSORS:
+                name = f"{GLOBAL_TENSORS[stem]}.{kind}"
+            else:
+                continue  # e.g. rope_freqs: derived from the config instead
+            try:
+                data = gguf.quants.dequantize(t.data, t.tensor_type)
+            except Exception as exc:
+                raise ModelLoadError(f"{self.path}: tensor {t.name!r} of type {t.tensor_type.name} could "
+                                     f"not be dequantized: {exc}") from exc
+            data = np.asarray(data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+            if self.arch == "llama" and stem.startswith("blk.") and base in ("attn_q", "attn_k"):
+                data = self._reverse_permute(data, heads if base == "attn_q" else kv_heads)
+            sources[name] = self.path.name
+            yield name, torch.from_numpy(np.array(data, copy=True))

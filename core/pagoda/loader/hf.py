@@ -1,0 +1,65 @@
+"""HF-format checkpoints: ``config.json`` and safetensors (single file or sharded)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from pagoda.errors import ModelLoadError
+
+
+def load_hf_config(directory: Path):
+    from transformers import AutoConfig
+
+    path = directory / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
+    if not raw.get("model_type"):
+        raise ModelLoadError(f"{path} has no 'model_type' key")
+    try:
+        return AutoConfig.from_pretrained(str(directory))
+    except Exception as exc:
+        raise ModelLoadError(f"{path} could not be read by transformers' AutoConfig "
+                             f"(model_type {raw.get('model_type')!r}): {exc}") from exc
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise ModelLoadError(f"{index} is not a valid safetensors index: {exc}") from exc
+        files = sorted({directory / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index} names shard files that are missing: {', '.join(missing)}")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{directory} has no *.safetensors weights (pagoda does not load .bin "
+                             f"pickles; convert them with save_pretrained(safe_serialization=True))")
+    return files
+
+
+def iterate_safetensors(files: list[Path], sources: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from every file, recording each name's file in ``sources``."""
+    from safetensors import safe_open
+
+    for path in files:
+        try:
+            handle = safe_open(str(path), framework="pt", device="cpu")
+            names = list(handle.keys())
+        except Exception as exc:
+            raise ModelLoadError(f"{path} is not a readable safetensors file: {exc}") from exc
+        for name in names:
+            sources[name] = path.name
+            try:
+                tensor = handle.get_tensor(name)
+            except Exception as exc:
+                raise ModelLoadError(f"{path}: tensor {name!r} could not be read: {exc}") from exc
+            yield name, tensor

@@ -1,0 +1,114 @@
+"""Build a model from its source: config, architecture class, quantization, weights."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from pagoda.config import EngineConfig
+from pagoda.errors import ConfigError, ModelLoadError
+from pagoda.interfaces import QuantConfig
+from pagoda.loader.source import ModelSource
+from pagoda.loader.weights import WeightStream
+from pagoda.selection import get_quantizer, resolve_model_class
+from torch import nn
+
+
+def load_config(source: ModelSource):
+    if source.kind == "gguf":
+        from pagoda.loader.gguf_file import open_gguf
+
+        return open_gguf(source.path).hf_config()
+    from pagoda.loader.hf import load_hf_config
+
+    return load_hf_config(source.path)
+
+
+def resolve_quant_config(hf_config, config: EngineConfig) -> QuantConfig | None:
+    """The checkpoint's ``quantization_config`` wins; else the user's ``quantization``."""
+    checkpoint = getattr(hf_config, "quantization_config", None)
+    if checkpoint:
+        if not isinstance(checkpoint, dict):
+            checkpoint = checkpoint.to_dict() if hasattr(checkpoint, "to_dict") else dict(checkpoint)
+        method = checkpoint.get("quant_method")
+        if not method:
+            raise ModelLoadError("config.json quantization_config has no 'quant_method'")
+        return get_quantizer(method).from_checkpoint(checkpoint)
+    setting = config.quantization
+    if setting is None or setting in ("none", ""):
+        return None
+    if isinstance(setting, str):
+        return get_quantizer(setting).from_user({})
+    if isinstance(setting, dict):
+        method = setting.get("method") or ("mixed" if ("rules" in setting or "default" in setting) else None)
+        if not method:
+            raise ConfigError("quantization: a mapping needs 'method' (e.g. {method: int4, group_size: 128}) "
+                              "or a policy with 'default'/'rules'")
+        return get_quantizer(method).from_user(setting)
+    raise ConfigError(f"quantization: expected a method name or a mapping, got {setting!r}")
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def weight_stream(source: ModelSource) -> WeightStream:
+    if source.kind == "gguf":
+        from pagoda.loader.gguf_file import open_gguf
+
+        return WeightStream(open_gguf(source.path).weights)
+    from pagoda.loader.hf import iterate_safetensors, safetensors_files
+
+    files = safetensors_files(source.path)
+    return WeightStream(lambda sources: iterate_safetensors(files, sources))
+
+
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights of the right shapes (benchmarks): small normal values, norms at 1."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        if not param.dtype.is_floating_point:
+            continue
+        if name.endswith("norm.weight") or "layernorm" in name:
+            param.data.fill_(1.0)
+            continue
+        cpu = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=gen) \
+            if param.numel() < (1 << 24) else None
+        if cpu is not None:
+            param.data.copy_(cpu)
+        else:  # large tensors: draw on the device
+            param.data.normal_(0.0, 0.02)
+
+
+def build_model(config: EngineConfig, source: ModelSource, hf_config: Any, dtype: torch.dtype,
+                device: torch.device) -> nn.Module:
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    cls = resolve_model_class(architectures, str(source.path))
+    quant_config = resolve_quant_config(hf_config, config)
+    with torch.device(device), default_dtype(dtype):
+        model = cls(hf_config, quant_config=quant_config, prefix="")
+    if config.load_format == "dummy":
+        init_dummy_weights(model, config.seed)
+    else:
+        stream = weight_stream(source)
+        with torch.no_grad():
+            loaded = model.load_weights(stream)
+        missing = [n for n, _ in model.named_parameters() if n not in loaded]
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise ModelLoadError(f"{source.path}: the checkpoint lacks weights the model needs: {shown}")
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)
+    model.eval()
+    model.requires_grad_(False)
+    return model

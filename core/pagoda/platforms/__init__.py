@@ -1,0 +1,1 @@
+"""Platforms the core provides itself (the CPU)."""

@@ -1,0 +1,184 @@
+"""Continuous batching: which sequences run in the next step, and with how many tokens. No torch.
+
+Each step has one token budget (``max_num_batched_tokens``). Running sequences that
+decode (one token each) are served first, then running sequences whose prompt is only
+partly computed (chunked prefill), then waiting sequences in arrival order. When a running
+sequence needs a block and none is free, the most recently admitted running sequence is
+preempted by recompute: its blocks are freed and it returns to the front of the waiting
+queue, keeping its generated tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagoda.block_manager import BlockManager
+from pagoda.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    sample: bool  # the step computes the last known token, so a new token is sampled
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first, then prefills
+    num_decodes: int = 0
+    num_batched_tokens: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_prefill_tokens: int = 0  # prompt tokens actually computed (not served from cache)
+    num_generated_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.stats = SchedulerStats()
+
+    # ------------------------------------------------------------------ queue management
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """End a sequence (stop, length or abort) and free its blocks."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = status
+        self.bm.free(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # ------------------------------------------------------------------ scheduling
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        decodes: list[ScheduledSeq] = []
+        prefills: list[ScheduledSeq] = []
+        scheduled_ids: set[int] = set()
+
+        # Running sequences: decodes first, then partial prefills, in admission order.
+        ordered = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        ordered += [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        for seq in ordered:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.bm.allocate_slots(seq, num_new):
+                victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled_ids), None)
+                if victim is None:
+                    break
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING or len(seq.block_table) * self.bm.block_size < \
+                    seq.num_computed_tokens + num_new:
+                continue
+            scheduled_ids.add(seq.seq_id)
+            item = ScheduledSeq(seq, num_new, seq.num_computed_tokens + num_new == seq.num_tokens)
+            (decodes if seq.num_tokens - seq.num_computed_tokens == 1 else prefills).append(item)
+            budget -= num_new
+
+        # Waiting sequences, first come first served, while budget, seats and blocks last.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.bm.allocate_slots(seq, min(seq.num_tokens - seq.num_computed_tokens, budget)):
+                break
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)  # after any cached prefix
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled_ids.add(seq.seq_id)
+            prefills.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens + num_new == seq.num_tokens))
+            budget -= num_new
+
+        out.scheduled = decodes + prefills
+        out.num_decodes = len(decodes)
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        self.stats.num_steps += 1
+        self.stats.num_prefill_tokens += sum(s.num_new_tokens for s in prefills)
+        return out
+
+    # ------------------------------------------------------------------ after the model ran
+    def update(self, out: SchedulerOutput, sampled: dict[int, int], eos_token_ids: set[int],
+               now: float | None = None) -> list[Sequence]:
+        """Advance computed counts, append sampled tokens, apply token-level stops.
+
+        ``sampled`` maps seq_id to the new token for sequences with ``sample`` set. Returns
+        the sequences that received a token (finished ones included).
+        """
+        del now
+        touched = []
+        for item in out.scheduled:
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            seq.num_computed_tokens += item.num_new_tokens
+            self.bm.cache_computed_blocks(seq)
+            if not item.sample:
+                continue
+            token = sampled[seq.seq_id]
+            seq.append_token(token)
+            self.stats.num_generated_tokens += 1
+            touched.append(seq)
+            status = self.check_stop(seq, token, eos_token_ids)
+            if status is not None:
+                self.finish(seq, status)
+        return touched
+
+    def check_stop(self, seq: Sequence, token: int, eos_token_ids: set[int]) -> SequenceStatus | None:
+        params = seq.params
+        n_out = seq.num_output_tokens
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and token in eos_token_ids:
+                seq.stop_reason = None
+                return SequenceStatus.FINISHED_STOPPED
+            if params.stop_token_ids and token in params.stop_token_ids:
+                seq.stop_reason = token
+                return SequenceStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and n_out >= params.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH
+        if seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+
+def monotonic() -> float:
+    return time.monotonic()

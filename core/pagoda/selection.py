@@ -1,0 +1,100 @@
+"""Choosing the platform, attention backend, model class, allocator and quantizer.
+
+Every ``select_*`` either returns what was asked for or raises ``PluginError`` naming what
+is missing, which distribution would provide it, and any plugin that failed to load.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagoda.errors import ModelLoadError, PluginError
+from pagoda.interfaces import AttentionBackend, AttentionSpec, KVAllocator, Platform, Quantizer
+from pagoda.plugins import PluginRegistry, get_registry
+from pagoda.registry import KNOWN_PROVIDERS, MODELS_DISTRIBUTION, resolve_lazy
+
+
+def _hint(kind: str, name: str) -> str:
+    dist = KNOWN_PROVIDERS.get((kind, name))
+    return f" It is provided by {dist} (pip install {dist})." if dist else ""
+
+
+def select_platform(device: str, reg: PluginRegistry | None = None) -> Platform:
+    reg = reg or get_registry()
+    if device == "auto":
+        ranked = sorted(reg.platforms.entries.values(), key=lambda e: -e.obj.priority)
+        for entry in ranked:
+            if entry.obj.is_available():
+                return entry.obj
+        raise PluginError("no platform is available (not even cpu?)" + reg.failure_note())
+    if device not in reg.platforms:
+        raise PluginError(f"device {device!r} is not a registered platform (registered: "
+                          f"{', '.join(reg.platforms.names())}).{_hint('platform', device)}"
+                          + reg.failure_note())
+    platform = reg.platforms.get(device)
+    reason = platform.unavailable_reason()
+    if reason is not None:
+        raise PluginError(f"device {device!r} was requested but is unavailable: {reason} "
+                          f"(provided by {reg.platforms.entries[device].provider}; pagoda never falls "
+                          f"back to another device silently)")
+    return platform
+
+
+def select_attention_backend(name: str, platform: Platform, dtype: str, spec: AttentionSpec,
+                             reg: PluginRegistry | None = None) -> AttentionBackend:
+    reg = reg or get_registry()
+    if name != "auto":
+        if name not in reg.attention_backends:
+            raise PluginError(f"attention_backend {name!r} is not registered (registered: "
+                              f"{', '.join(reg.attention_backends.names())})."
+                              f"{_hint('attention_backend', name)}" + reg.failure_note())
+        backend = reg.attention_backends.get(name)
+        why = backend.supports(platform.name, dtype, spec)
+        if why is not None:
+            raise PluginError(f"attention_backend {name!r} cannot run this model: {why}")
+        return backend
+    ranked = sorted(reg.attention_backends.entries.values(), key=lambda e: -e.obj.priority)
+    reasons = []
+    for entry in ranked:
+        why = entry.obj.supports(platform.name, dtype, spec)
+        if why is None:
+            return entry.obj
+        reasons.append(f"{entry.name}: {why}")
+    raise PluginError(f"no attention backend supports {spec.kind} attention with head size "
+                      f"{spec.head_size} in {dtype} on {platform.name} ({'; '.join(reasons)})"
+                      + reg.failure_note())
+
+
+def resolve_model_class(architectures: list[str], source: str, reg: PluginRegistry | None = None) -> Any:
+    reg = reg or get_registry()
+    for arch in architectures:
+        if arch in reg.models:
+            entry = reg.models.entries[arch]
+            try:
+                return resolve_lazy(entry.obj)
+            except Exception as exc:
+                raise PluginError(f"architecture {arch} is registered by {entry.provider} but its "
+                                  f"model class failed to import: {type(exc).__name__}: {exc}") from exc
+    known = ", ".join(reg.models.names()) or "none: is pagoda-models installed?"
+    raise ModelLoadError(
+        f"{source}: architecture {', '.join(architectures) or '(none given)'} is not supported "
+        f"(registered architectures: {known}). Model plugins such as {MODELS_DISTRIBUTION} add "
+        f"architectures." + reg.failure_note())
+
+
+def select_allocator(platform: Platform, reg: PluginRegistry | None = None) -> KVAllocator:
+    reg = reg or get_registry()
+    fits = [e.obj for e in reg.allocators.entries.values()
+            if platform.name in e.obj.platforms or "*" in e.obj.platforms]
+    if not fits:
+        raise PluginError(f"no KV allocator is registered for platform {platform.name}" + reg.failure_note())
+    return max(fits, key=lambda a: (a.priority, platform.name in a.platforms))
+
+
+def get_quantizer(name: str, reg: PluginRegistry | None = None) -> Quantizer:
+    reg = reg or get_registry()
+    if name not in reg.quantizers:
+        raise PluginError(f"quantization method {name!r} is not registered (registered: "
+                          f"{', '.join(reg.quantizers.names()) or 'none'}).{_hint('quantizer', name)}"
+                          + reg.failure_note())
+    return reg.quantizers.get(name)

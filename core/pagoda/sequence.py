@@ -1,0 +1,117 @@
+"""Sequences (one completion) and requests (a prompt with its ``n`` sequences). No torch."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from pagoda.outputs import Logprob, RequestMetrics
+from pagoda.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                        SequenceStatus.FINISHED_ABORTED)
+
+
+_seq_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One token stream. ``token_ids`` is prompt + output; the first ``num_computed_tokens``
+    of it have their K/V in the cache blocks listed in ``block_table``."""
+
+    request_id: str
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int | None = None
+    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # hashes of its full, cached blocks
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    # detokenization state (pagoda.detokenizer)
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+    tokens: list[str] | None = None
+    # sampling results
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, Logprob]] | None = None
+    output_counts: dict[int, int] | None = None  # generated token -> count, for penalties
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        if self.output_counts is not None:
+            self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
+
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+
+@dataclass(eq=False)
+class Request:
+    """A prompt and its ``n`` sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    seqs: list[Sequence] = field(default_factory=list)
+    metrics: RequestMetrics | None = None
+
+    def __post_init__(self) -> None:
+        if self.metrics is None:
+            self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        if not self.seqs:
+            for i in range(self.params.n):
+                seed = None if self.params.seed is None else self.params.seed + i
+                seq = Sequence(self.request_id, i, self.prompt_token_ids, self.params, seed=seed)
+                if self.params.needs_penalties:
+                    seq.output_counts = {}
+                if self.params.logprobs is not None:
+                    seq.logprobs = []
+                self.seqs.append(seq)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

@@ -1,0 +1,89 @@
+"""Tiny random HF checkpoints and transformers reference outputs."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def make_tiny_checkpoint(model_type: str, directory: str | Path, seed: int = 0, tokenizer: bool = False,
+                         **overrides: Any) -> Path:
+    """Build a random ``AutoModelForCausalLM`` from ``AutoConfig.for_model(model_type, ...)``
+    and ``save_pretrained`` it (float32 safetensors) into ``directory``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory = Path(directory)
+    config = AutoConfig.for_model(model_type, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # HF's init leaves many weights tiny; widen them so outputs vary
+        for name, param in model.named_parameters():
+            if param.dim() >= 2 and "norm" not in name:
+                param.normal_(0.0, 0.08)
+            elif "norm" in name:
+                param.uniform_(0.8, 1.2)
+            elif "bias" in name:
+                param.normal_(0.0, 0.05)
+    model.save_pretrained(directory, safe_serialization=True)
+    if tokenizer:
+        save_byte_tokenizer(directory, config.vocab_size)
+    return directory
+
+
+def save_byte_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A tiny byte-level BPE tokenizer (no merges) that fits any vocab >= 260."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2, "<pad>": 3}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    if len(vocab) > vocab_size:
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the byte tokenizer's {len(vocab)}")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", pad_token="<pad>")
+    fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+    fast.save_pretrained(directory)
+
+
+def random_prompts(n: int, vocab_size: int, min_len: int, max_len: int, seed: int = 0,
+                   low: int = 4) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(low, vocab_size) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]
+
+
+def _load_hf(directory: str | Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+    model.eval()
+    return model
+
+
+@torch.no_grad()
+def hf_greedy_tokens(directory: str | Path, prompts: list[list[int]], max_new_tokens: int,
+                     model=None) -> list[list[int]]:
+    """Greedy continuation of each prompt, one at a time (no padding), by transformers."""
+    model = model or _load_hf(directory)
+    outs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+        outs.append(gen[0, len(prompt):].tolist())
+    return outs
+
+
+@torch.no_grad()
+def hf_prompt_logits(directory: str | Path, prompt: list[int], model=None) -> torch.Tensor:
+    model = model or _load_hf(directory)
+    return model(torch.tensor([prompt])).logits[0].float()

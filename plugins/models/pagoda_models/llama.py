@@ -1,0 +1,155 @@
+"""Llama (and the models that differ from it only by biases, q/k norms or windows)."""
+
+from __future__ import annotations
+
+import torch
+from pagoda.distributed import get_tp_size
+from pagoda.layers import (
+    Attention,
+    GatedActivation,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    get_rope,
+    rope_parameters_of,
+)
+from pagoda.loader.weights import LLAMA_STACKED, load_by_name
+from torch import nn
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def sliding_window_of(config, layer_idx: int) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return window
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool, quant_config, prefix: str):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, bias=bias,
+                                                       quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, quant_config=quant_config,
+                                           prefix=f"{prefix}.down_proj")
+        self.act_fn = GatedActivation(act)
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, quant_config, prefix: str, qkv_bias: bool, o_bias: bool,
+                 qk_norm: bool):
+        super().__init__()
+        tp = get_tp_size()
+        hidden = config.hidden_size
+        self.head_dim = hd = head_dim_of(config)
+        total_heads = config.num_attention_heads
+        total_kv = getattr(config, "num_key_value_heads", None) or total_heads
+        self.qkv_proj = QKVParallelLinear(hidden, hd, total_heads, total_kv, bias=qkv_bias,
+                                          quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(total_heads * hd, hidden, bias=o_bias, quant_config=quant_config,
+                                        prefix=f"{prefix}.o_proj")
+        params = rope_parameters_of(config)
+        rotary_dim = int(hd * params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
+        self.rotary_emb = get_rope(hd, rotary_dim, config.max_position_embeddings, params, is_neox_style=True)
+        self.q_norm = RMSNorm(hd, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(hd, config.rms_norm_eps) if qk_norm else None
+        self.attn = Attention(self.num_heads, hd, hd ** -0.5, self.num_kv_heads,
+                              sliding_window=sliding_window_of(config, layer_idx), prefix=f"{prefix}.attn")
+        self.q_size, self.kv_size = self.num_heads * hd, self.num_kv_heads * hd
+        del tp
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            t = q.shape[0]
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, -1)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, -1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, quant_config, prefix: str, qkv_bias: bool, o_bias: bool,
+                 qk_norm: bool):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, quant_config, f"{prefix}.self_attn", qkv_bias,
+                                        o_bias, qk_norm)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                            getattr(config, "mlp_bias", False), quant_config, f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, quant_config, prefix: str, layer_cls=LlamaDecoderLayer, **layer_kw):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                   prefix=f"{prefix}.embed_tokens")
+        self.layers = nn.ModuleList(
+            layer_cls(config, i, quant_config, f"{prefix}.layers.{i}", **layer_kw)
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions):
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    # None: take the config's attention_bias
+    qkv_bias: bool | None = None
+    o_bias: bool | None = None
+    qk_norm = False
+
+    def __init__(self, config, quant_config=None, prefix: str = ""):
+        super().__init__()
+        self.config = config
+        bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = bias if self.qkv_bias is None else self.qkv_bias
+        o_bias = bias if self.o_bias is None else self.o_bias
+        self.model = LlamaModel(config, quant_config, "model", qkv_bias=qkv_bias, o_bias=o_bias,
+                                qk_norm=self.qk_norm)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights) -> set[str]:
+        tied = getattr(self.config, "tie_word_embeddings", False)
+
+        def skip(name: str) -> bool:
+            return "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight")
+
+        return load_by_name(self, weights, LLAMA_STACKED, skip=skip)

@@ -1,0 +1,16 @@
+"""Entry point of pagoda-models: architecture names -> lazy model classes."""
+
+from pagoda import hookimpl
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "pagoda_models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "pagoda_models.mistral:MistralForCausalLM",
+    "Qwen2ForCausalLM": "pagoda_models.qwen2:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "pagoda_models.qwen3:Qwen3ForCausalLM",
+}
+
+
+@hookimpl
+def register_models(register):
+    for architecture, target in ARCHITECTURES.items():
+        register(architecture, target)
