@@ -1,0 +1,1 @@
+"""Benchmarks behind ``pagoda bench``: each module adds one ``pagoda bench <name>`` subcommand."""
