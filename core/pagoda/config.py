@@ -46,6 +46,9 @@ class EngineConfig(BaseModel):
     num_kv_blocks: int | None = Field(None, gt=0, description="fixed KV cache size in blocks; overrides "
                                       "the memory budget")
     attention_backend: str = Field("auto", description="attention backend name, or auto")
+    attention_options: dict = Field(default_factory=dict, description="options for the selected attention "
+                                    "backend, e.g. {tile_size: 256} for a tiled backend; a backend "
+                                    "rejects options it does not know")
     enforce_eager: bool = Field(False, description="never capture graphs")
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of identical prompt prefixes")
     quantization: str | dict | None = Field(None, description="quantization method name or policy "

@@ -24,12 +24,20 @@ class Platform:
     dist_backend: str = "gloo"  # torch.distributed backend for this device
     default_dtype: str = "float32"
     supports_graphs: bool = False  # whether capture_graph works
+    # An environment variable (named PAGODA_USE_<SOMETHING>) that, set to 1/true/yes/on while
+    # device is auto, selects this platform; if the platform is unavailable that is an error
+    # carrying unavailable_reason(), never a fallback to another device. None: no switch.
+    env_switch: str | None = None
 
     def is_available(self) -> bool:
         return self.unavailable_reason() is None
 
     def unavailable_reason(self) -> str | None:
         """None when usable here; otherwise why not, naming the missing library or device."""
+        return None
+
+    def dtype_unsupported_reason(self, dtype: str) -> str | None:
+        """None if this device computes in ``dtype`` ("float16", ...); otherwise why not."""
         return None
 
     def device(self, index: int = 0) -> torch.device:
@@ -123,6 +131,18 @@ class AttentionBackend:
         if dtype not in self.dtypes:
             return f"does not support dtype {dtype}"
         return None
+
+    def configure(self, options: dict) -> AttentionBackend:
+        """The backend to use for one engine, given ``EngineConfig.attention_options``.
+
+        Backends with options return a configured copy (never mutate the registered
+        instance: several engines may share it); this default accepts no options."""
+        if options:
+            from pagoda.errors import ConfigError
+
+            raise ConfigError(f"attention_options: attention backend {self.name!r} takes no options "
+                              f"(got {', '.join(sorted(options))})")
+        return self
 
     def kv_cache_shape(self, spec: AttentionSpec, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's cache tensor."""

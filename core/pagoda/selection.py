@@ -6,6 +6,7 @@ is missing, which distribution would provide it, and any plugin that failed to l
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from pagoda.errors import ModelLoadError, PluginError
@@ -19,22 +20,67 @@ def _hint(kind: str, name: str) -> str:
     return f" It is provided by {dist} (pip install {dist})." if dist else ""
 
 
-def select_platform(device: str, reg: PluginRegistry | None = None) -> Platform:
+ENV_SWITCH_PREFIX = "PAGODA_USE_"  # Platform.env_switch names start with this
+_SWITCH_ON = ("1", "true", "yes", "on")
+_SWITCH_OFF = ("", "0", "false", "no", "off")
+
+
+def env_switched_platform(reg: PluginRegistry | None = None) -> Platform | None:
+    """The platform a ``PAGODA_USE_*`` environment variable turns on, if any.
+
+    Every ``PAGODA_USE_*`` variable set to a true value must be some registered platform's
+    ``env_switch``: a switch no installed plugin declares is an error, so that a missing
+    plugin never turns into a silent run on another device."""
     reg = reg or get_registry()
+    declared = {e.obj.env_switch: e.obj for e in reg.platforms.entries.values() if e.obj.env_switch}
+    chosen: list[tuple[str, Platform]] = []
+    for var in sorted(os.environ):
+        if not var.startswith(ENV_SWITCH_PREFIX):
+            continue
+        value = os.environ[var].strip().lower()
+        if value in _SWITCH_OFF:
+            continue
+        if value not in _SWITCH_ON:
+            raise PluginError(f"environment variable {var}={os.environ[var]!r} is not a switch value: "
+                              f"use 1 to turn it on or 0 to turn it off")
+        if var not in declared:
+            known = ", ".join(f"{v} ({p.name})" for v, p in sorted(declared.items())) or "none"
+            raise PluginError(f"environment variable {var}=1 asks for a platform, but no installed plugin "
+                              f"declares that switch (platform switches: {known}); install the plugin "
+                              f"that provides it or unset {var}" + reg.failure_note())
+        chosen.append((var, declared[var]))
+    if len(chosen) > 1:
+        raise PluginError("environment variables " + " and ".join(f"{v}=1 ({p.name})" for v, p in chosen)
+                          + " select different platforms; set only one")
+    return chosen[0][1] if chosen else None
+
+
+def select_platform(device: str, reg: PluginRegistry | None = None, source: str | None = None) -> Platform:
+    """The platform for ``device`` ("auto" or a name). ``source`` says where an explicit
+    device came from (e.g. "dtype 'cuda-bfloat16'") for error messages."""
+    reg = reg or get_registry()
+    switched = env_switched_platform(reg)
+    if switched is not None:
+        var = switched.env_switch
+        if device not in ("auto", switched.name):
+            raise PluginError(f"{var}=1 selects device {switched.name!r} but device {device!r} was requested"
+                              f"{f' by {source}' if source else ''}; unset {var} or change the device")
+        device, source = switched.name, f"{var}=1" + (f" and {source}" if source else "")
     if device == "auto":
         ranked = sorted(reg.platforms.entries.values(), key=lambda e: -e.obj.priority)
         for entry in ranked:
             if entry.obj.is_available():
                 return entry.obj
         raise PluginError("no platform is available (not even cpu?)" + reg.failure_note())
+    via = f" (by {source})" if source else ""
     if device not in reg.platforms:
-        raise PluginError(f"device {device!r} is not a registered platform (registered: "
+        raise PluginError(f"device {device!r}{via} is not a registered platform (registered: "
                           f"{', '.join(reg.platforms.names())}).{_hint('platform', device)}"
                           + reg.failure_note())
     platform = reg.platforms.get(device)
     reason = platform.unavailable_reason()
     if reason is not None:
-        raise PluginError(f"device {device!r} was requested but is unavailable: {reason} "
+        raise PluginError(f"device {device!r} was requested{via} but is unavailable: {reason} "
                           f"(provided by {reg.platforms.entries[device].provider}; pagoda never falls "
                           f"back to another device silently)")
     return platform

@@ -38,7 +38,7 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
             group.add_argument(_flag(name), dest=name, type=int, default=None, help=help_text)
         elif annotation is float or (float in origin_args and str not in origin_args):
             group.add_argument(_flag(name), dest=name, type=float, default=None, help=help_text)
-        elif dict in origin_args:
+        elif annotation is dict or dict in origin_args:
             group.add_argument(_flag(name), dest=name, type=_yaml_value, default=None, help=help_text)
         else:
             group.add_argument(_flag(name), dest=name, default=None, help=help_text)

@@ -41,9 +41,13 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         device_name, dtype = config.resolved_device_and_dtype()
-        self.platform = select_platform(device_name)
+        named_by = f"dtype {config.dtype!r}" if device_name != config.device else None
+        self.platform = select_platform(device_name, source=named_by)
         if dtype == "auto":
             dtype = self.platform.default_dtype
+        why = self.platform.dtype_unsupported_reason(dtype)
+        if why is not None:
+            raise ConfigError(f"dtype {config.dtype!r}: {self.platform.name} cannot compute in {dtype}: {why}")
         self.dtype = dtype
         self.source = resolve_source(config.model)
         self.hf_config = load_config(self.source)

@@ -55,7 +55,7 @@ class ModelRunner:
         for layer in self.attn_layers:
             if layer.spec.kind not in self.backends:
                 self.backends[layer.spec.kind] = select_attention_backend(
-                    config.attention_backend, platform, dtype, layer.spec)
+                    config.attention_backend, platform, dtype, layer.spec).configure(config.attention_options)
         self.sampler = Sampler(device, config.seed)
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
