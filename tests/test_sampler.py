@@ -1,0 +1,83 @@
+"""The sampler: greedy, filters, seeds independent of the batch, penalties, logprobs."""
+
+import torch
+
+from pagoda.sampler import Sampler
+from pagoda.sampling_params import SamplingParams
+from pagoda.sequence import Sequence
+
+V = 50
+
+
+def seqs(*params, seeds=None):
+    out = []
+    for i, p in enumerate(params):
+        s = Sequence(f"r{i}", 0, [1, 2, 3], p, seed=(seeds or [None] * len(params))[i])
+        if p.needs_penalties:
+            s.output_counts = {}
+        out.append(s)
+    return out
+
+
+def test_greedy_and_degenerate_filters_pick_the_argmax():
+    logits = torch.randn(4, V)
+    s = seqs(SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=1),
+             SamplingParams(temperature=0.7, top_p=1e-6), SamplingParams(temperature=2.0, min_p=0.999))
+    tokens = Sampler(torch.device("cpu")).__call__(logits, s).tokens
+    assert tokens == logits.argmax(-1).tolist()
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = torch.randn(1, V)
+    top3 = set(logits[0].topk(3).indices.tolist())
+    sampler = Sampler(torch.device("cpu"), seed=1)
+    picks = {sampler(logits, seqs(SamplingParams(temperature=5.0, top_k=3))).tokens[0] for _ in range(200)}
+    assert picks <= top3 and len(picks) > 1
+    probs = torch.softmax(logits[0], -1)
+    order = probs.argsort(descending=True)
+    nucleus = set(order[: int((probs[order].cumsum(0) < 0.5).sum()) + 1].tolist())
+    picks = {sampler(logits, seqs(SamplingParams(top_p=0.5))).tokens[0] for _ in range(200)}
+    assert picks <= nucleus
+
+
+def test_seeded_requests_do_not_depend_on_the_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(3, V)
+    p = SamplingParams(temperature=1.0)
+    alone = Sampler(torch.device("cpu"), seed=5)
+    first = [alone(logits[1:2], seqs(p, seeds=[42])).tokens[0] for _ in range(1)]
+    batched = Sampler(torch.device("cpu"), seed=99)
+    s = seqs(p, p, p, seeds=[None, 42, 7])
+    assert batched(logits, s).tokens[1] == first[0]
+
+
+def test_penalties_follow_their_definitions():
+    logits = torch.zeros(1, V)
+    logits[0, 5] = 2.0
+    logits[0, 6] = -2.0
+    rep = seqs(SamplingParams(temperature=0, repetition_penalty=2.0))[0]
+    rep.token_ids += [5, 6]
+    sampler = Sampler(torch.device("cpu"))
+    from pagoda.sampler import _apply_penalties
+
+    row = logits[0].clone()
+    _apply_penalties(row, rep)
+    assert row[5] == 1.0 and row[6] == -4.0
+    pres = seqs(SamplingParams(temperature=0, presence_penalty=1.5, frequency_penalty=0.5))[0]
+    for t in (5, 5, 7):
+        pres.append_token(t)
+    row = logits[0].clone()
+    _apply_penalties(row, pres)
+    assert row[5] == 2.0 - 1.5 - 2 * 0.5 and row[7] == -2.0 and row[6] == -2.0
+    assert sampler(logits, [pres]).tokens[0] not in (5, 7)
+
+
+def test_logprobs_are_the_raw_log_softmax():
+    logits = torch.randn(2, V)
+    s = seqs(SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0))
+    result = Sampler(torch.device("cpu"))(logits, s)
+    chosen, rank, top = result.logprobs[0]
+    ref = torch.log_softmax(logits[0], -1)
+    assert rank == 1 and abs(chosen - ref.max().item()) < 1e-6
+    assert [t for t, _ in top] == ref.topk(3).indices.tolist()
+    assert result.logprobs[1] is None

