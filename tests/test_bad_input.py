@@ -4,11 +4,10 @@ import json
 import shutil
 
 import pytest
-from safetensors.torch import load_file, save_file
-
 from pagoda import LLM, SamplingParams
 from pagoda.errors import ConfigError, ModelLoadError, PluginError, RequestError
 from pagoda.testing import make_tiny_checkpoint
+from safetensors.torch import load_file, save_file
 
 TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)

@@ -1,7 +1,6 @@
 """EngineConfig from YAML, PAGODA_* variables and CLI flags, with errors naming the key."""
 
 import pytest
-
 from pagoda.cli.engine_args import add_engine_args, engine_config_from_args
 from pagoda.config import EngineConfig, load_engine_config
 from pagoda.errors import ConfigError

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from pagoda import hookspecs
 from pagoda.errors import ModelLoadError, PluginError
 from pagoda.plugins import HOOKS, load_plugins, reset_registry

@@ -1,7 +1,6 @@
 """The sampler: greedy, filters, seeds independent of the batch, penalties, logprobs."""
 
 import torch
-
 from pagoda.sampler import Sampler
 from pagoda.sampling_params import SamplingParams
 from pagoda.sequence import Sequence

@@ -88,7 +88,7 @@ def test_no_block_leaks_after_finish_and_abort_under_random_load():
     rng = random.Random(0)
     bm, sched = make(num_blocks=12, block_size=4, max_seqs=5, budget=16, max_len=40, prefix=True)
     live = []
-    for step in range(400):
+    for _ in range(400):
         if rng.random() < 0.3:
             s = seq(rng.randint(1, 20), max_tokens=rng.randint(1, 12), base=rng.choice([0, 100]))
             sched.add(s)

@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-
 from pagoda import LLM, SamplingParams
 from pagoda.detokenizer import Detokenizer
 from pagoda.sequence import Sequence
@@ -31,9 +30,8 @@ def test_default_model_knows_the_capital_of_france(llm):
 
 
 def test_gguf_logits_and_greedy_tokens_match_transformers(llm):
-    from transformers import AutoModelForCausalLM
-
     from pagoda.loader.source import default_model_path
+    from transformers import AutoModelForCausalLM
 
     path = default_model_path()
     ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
