@@ -117,6 +117,9 @@ class AttentionBackend:
     name: str = ""
     priority: int = 0
     platforms: tuple[str, ...] = ("*",)  # platform names, "*" for any
+    # Platforms where ``attention_backend: auto`` may choose this backend; on the other
+    # platforms it runs only when named (e.g. a device-tuned backend that also runs on cpu).
+    auto_platforms: tuple[str, ...] = ("*",)
     kinds: tuple[str, ...] = ("mha",)
     dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")
     # Whether forward() may be captured in a graph for decode-only batches.
@@ -131,6 +134,10 @@ class AttentionBackend:
         if dtype not in self.dtypes:
             return f"does not support dtype {dtype}"
         return None
+
+    def auto_selectable(self, platform: str) -> bool:
+        """Whether ``attention_backend: auto`` may pick this backend on ``platform``."""
+        return "*" in self.auto_platforms or platform in self.auto_platforms
 
     def configure(self, options: dict) -> AttentionBackend:
         """The backend to use for one engine, given ``EngineConfig.attention_options``.

@@ -103,6 +103,8 @@ def select_attention_backend(name: str, platform: Platform, dtype: str, spec: At
     reasons = []
     for entry in ranked:
         why = entry.obj.supports(platform.name, dtype, spec)
+        if why is None and not entry.obj.auto_selectable(platform.name):
+            why = f"chosen on {platform.name} only when named (attention_backend: {entry.name})"
         if why is None:
             return entry.obj
         reasons.append(f"{entry.name}: {why}")

@@ -33,7 +33,8 @@ def collect() -> dict:
         for kind in ("mha", "mla"):
             for entry in backends:
                 b = entry.obj
-                if kind in b.kinds and ("*" in b.platforms or platform.name in b.platforms):
+                if kind in b.kinds and ("*" in b.platforms or platform.name in b.platforms) \
+                        and b.auto_selectable(platform.name):
                     selected[f"attention ({kind})"] = f"{entry.name} [{entry.provider}]"
                     break
         selected["kernels"] = describe_selection(platform.name)
