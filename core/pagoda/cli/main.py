@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "pagoda.cli.plugins_cmd",
     "pagoda.cli.generate",
     "pagoda.cli.models_cmd",
+    "pagoda.cli.config_cmd",
     "pagoda.cli.bench",
     "pagoda.cli.serve",
     "pagoda.cli.quant_sim",
