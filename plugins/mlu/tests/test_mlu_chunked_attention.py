@@ -1,0 +1,121 @@
+"""mlu_chunked against the core's torch reference: unit batches, then whole models vs transformers."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from mlu_test_batches import context_slots, mixed_batch
+from pagoda import LLM, SamplingParams, kernels
+from pagoda.attention.torch_paged import TorchPagedAttention
+from pagoda.errors import ConfigError
+from pagoda.forward_context import ForwardContext, set_forward_context
+from pagoda.interfaces import AttentionSpec
+from pagoda.kernels import get_op
+from pagoda.testing import hf_greedy_tokens, make_tiny_checkpoint, random_prompts
+from pagoda_mlu.chunked_attention import DEFAULT_TILE_SIZE, MluChunkedAttention
+
+BLOCK = 4
+NUM_BLOCKS = 64
+
+
+def run_both(spec: AttentionSpec, tile_size: int, seed: int = 0):
+    """One mixed batch (3 decodes, a continuing chunk, two fresh prompts) through both backends."""
+    kernels.activate("cpu")
+    batch = mixed_batch([9, 1, 23], [(13, 6), (0, 11), (0, 1)], BLOCK, NUM_BLOCKS, seed)
+    meta = batch.meta
+    gen = torch.Generator().manual_seed(seed)
+    nq, nk, hs = spec.num_heads, spec.num_kv_heads, spec.head_size
+    ctx_slots = context_slots(batch)
+    ctx_k = torch.randn(len(ctx_slots), nk, hs, generator=gen)
+    ctx_v = torch.randn(len(ctx_slots), nk, hs, generator=gen)
+    t = meta.num_tokens
+    q = torch.randn(t, nq * hs, generator=gen)
+    k = torch.randn(t, nk * hs, generator=gen)
+    v = torch.randn(t, nk * hs, generator=gen)
+    layer = SimpleNamespace(spec=spec)
+    ref_backend, ours = TorchPagedAttention(), MluChunkedAttention().configure({"tile_size": tile_size})
+    # Slots nobody wrote hold nan (like uninitialised memory): no backend may let them leak in.
+    ref_cache = torch.full(ref_backend.kv_cache_shape(spec, NUM_BLOCKS, BLOCK), float("nan"))
+    our_cache = torch.full(ours.kv_cache_shape(spec, NUM_BLOCKS, BLOCK), float("nan"))
+    assert our_cache.shape == (2, NUM_BLOCKS, nk, BLOCK, hs)  # Cambricon's head-major paged layout
+    get_op("store_kv_cache")(ctx_k, ctx_v, ref_cache, ctx_slots)
+    ours.store(ctx_k, ctx_v, our_cache, ctx_slots)
+    with set_forward_context(ForwardContext(attn_metadata=meta, backends={})):
+        expected = ref_backend.forward(layer, q, k, v, ref_cache, meta)
+        got = ours.forward(layer, q, k, v, our_cache, meta)
+    # Both caches hold the same tokens afterwards, in their own layouts.
+    torch.testing.assert_close(our_cache, ref_cache.permute(0, 1, 3, 2, 4), equal_nan=True)
+    return got, expected
+
+
+@pytest.mark.parametrize("tile_size", [1, 3, 8, 64])
+@pytest.mark.parametrize("variant", ["gqa", "mha-window", "gqa-softcap-window"])
+def test_chunked_matches_torch_reference(variant, tile_size):
+    spec = {
+        "gqa": AttentionSpec("mha", num_heads=4, num_kv_heads=2, head_size=16, scale=0.25),
+        "mha-window": AttentionSpec("mha", num_heads=3, num_kv_heads=3, head_size=8, scale=0.3,
+                                    sliding_window=5),
+        "gqa-softcap-window": AttentionSpec("mha", num_heads=4, num_kv_heads=1, head_size=8, scale=0.4,
+                                            sliding_window=7, logits_soft_cap=3.0),
+    }[variant]
+    got, expected = run_both(spec, tile_size, seed=tile_size)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+
+
+def test_tile_size_option_is_validated():
+    backend = MluChunkedAttention()
+    assert backend.configure({}).tile_size == DEFAULT_TILE_SIZE
+    configured = backend.configure({"tile_size": 48})
+    assert configured.tile_size == 48 and backend.tile_size == DEFAULT_TILE_SIZE  # a copy
+    with pytest.raises(ConfigError, match=r"attention_options\.tile_size must be a positive integer"):
+        backend.configure({"tile_size": 0})
+    with pytest.raises(ConfigError, match=r"has no option 'tile'"):
+        backend.configure({"tile": 8})
+
+
+def test_torch_backend_rejects_options():
+    with pytest.raises(ConfigError, match="attention backend 'torch' takes no options"):
+        TorchPagedAttention().configure({"tile_size": 8})
+
+
+# ---------------------------------------------------------------- whole models vs transformers
+TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("mlu-llama"), seed=3, **TINY)
+    prompts = random_prompts(5, 320, 5, 45, seed=11)
+    return path, prompts, hf_greedy_tokens(path, prompts, 20)
+
+
+# 5 and 37 divide neither the block size (8) nor any prompt length; 256 is the default.
+@pytest.mark.parametrize("tile_size", [5, 37, DEFAULT_TILE_SIZE])
+def test_dense_llama_greedy_matches_transformers(llama, tile_size):
+    path, prompts, expected = llama
+    # A 24-token budget splits the longer prompts into chunks that continue a cached context,
+    # and 12 blocks of 8 tokens force preemption: every path of the backend runs.
+    llm = LLM(model=str(path), device="cpu", dtype="float32", attention_backend="mlu_chunked",
+              attention_options={"tile_size": tile_size}, num_kv_blocks=12, block_size=8,
+              max_num_batched_tokens=24, max_model_len=72, enable_prefix_caching=False)
+    assert llm.engine.runner.backends["mha"].tile_size == tile_size
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_sliding_window_mistral_greedy_matches_transformers(tmp_path):
+    path = make_tiny_checkpoint("mistral", tmp_path, seed=5, **dict(TINY, sliding_window=12))
+    prompts = random_prompts(3, 320, 10, 40, seed=2)
+    expected = hf_greedy_tokens(path, prompts, 16)
+    llm = LLM(model=str(path), device="cpu", dtype="float32", attention_backend="mlu_chunked",
+              attention_options={"tile_size": 7}, num_kv_blocks=32, block_size=4, max_num_batched_tokens=16,
+              max_model_len=64)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_cpu_auto_keeps_the_torch_reference(llama):
+    path, _, _ = llama
+    llm = LLM(model=str(path), device="cpu", dtype="float32", num_kv_blocks=16, block_size=8, max_model_len=64)
+    assert llm.engine.runner.backends["mha"].name == "torch"  # mlu_chunked auto-selects on the MLU only
