@@ -5,6 +5,12 @@ input dimension (then all-reduce). Every parameter carries a ``weight_loader`` t
 the full checkpoint tensor (and, for fused layers, which shard it is) and copies this
 rank's slice; quantized methods mark their parameters with ``output_dim``/``input_dim``
 (None when not split along that dim) and ``packed_factor`` for packed layouts.
+
+Quantized layouts: ``packed_dim``/``packed_factor`` say that one stored element along that
+dim covers ``packed_factor`` logical rows/columns (eight 4-bit values in an int32, or one
+block scale per 128 rows), so fused-piece offsets along it are divided by the factor;
+``per_shard=True`` marks a parameter holding one value per fused piece (FP8 per-tensor
+scales), loaded at the piece's index. A method may give a parameter its own ``weight_loader``.
 """
 
 from __future__ import annotations
@@ -81,7 +87,8 @@ class LinearBase(nn.Module):
         self.quant_method.create_weights(self, self.input_size_per_partition, self.output_partition_sizes,
                                          self.params_dtype)
         for param in self.parameters(recurse=False):
-            param.weight_loader = self.weight_loader
+            if getattr(param, "weight_loader", None) is None:  # a quant method may bring its own
+                param.weight_loader = self.weight_loader
         if bias:
             rows = sum(self.output_partition_sizes) if self.parallel != "row" else self.output_size
             self.bias = nn.Parameter(torch.empty(rows, dtype=self.params_dtype), requires_grad=False)
@@ -100,6 +107,14 @@ class LinearBase(nn.Module):
     shard_names: tuple = ()
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if getattr(param, "per_shard", False):
+            # one value per fused piece (e.g. an FP8 per-tensor scale): param [num_pieces]
+            index = 0 if shard_id is None else (shard_id if isinstance(shard_id, int)
+                                                else self.shard_names.index(shard_id))
+            if loaded.numel() != 1:
+                raise ModelLoadError(f"{self.prefix}: expected one value per piece, got shape {tuple(loaded.shape)}")
+            param.data[index].copy_(loaded.reshape(()))
+            return
         output_dim = getattr(param, "output_dim", None)
         input_dim = getattr(param, "input_dim", None)
         packed = getattr(param, "packed_factor", 1)
