@@ -9,11 +9,22 @@ a new allocation needs it.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
 
 from pagoda.sequence import Sequence
 
 NO_PARENT = 0
+
+
+def chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
+    """128-bit BLAKE2b of (parent hash, block tokens). Not Python's ``hash()``: that one is
+    64-bit, unkeyed and invertible for ints, so a client could craft a prompt whose chain
+    hash collides with another user's prefix and be served (or read) someone else's KV."""
+    h = hashlib.blake2b(parent.to_bytes(16, "little"), digest_size=16)
+    h.update(array("q", tokens).tobytes())
+    return int.from_bytes(h.digest(), "little")
 
 
 class BlockManager:
@@ -53,7 +64,7 @@ class BlockManager:
         bs = self.block_size
         for i in range(start, end):
             key = (parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
-            parent = hash(key)
+            parent = chain_hash(*key)
             out.append((key, parent))
         return out
 
@@ -141,9 +152,15 @@ class BlockManager:
         seq.num_computed_tokens = 0
 
     def reset_prefix_cache(self) -> None:
-        """Drop every evictable cached block (used blocks keep working, uncached)."""
+        """Forget every cached block: evictable ones become free, used ones keep working
+        uncached (freed, not kept, when their sequences end)."""
         while self.evictable:
-            self.free_ids.append(self._pop_free_block())
+            block, _ = self.evictable.popitem(last=False)
+            self.free_ids.append(block)
+        for block, key in list(self.key_of.items()):
+            del self.cached[key]
+            self.block_hash[block] = None
+        self.key_of.clear()
 
     def check_invariants(self) -> None:
         """For tests: every block is exactly one of free, evictable or referenced."""
@@ -155,4 +172,8 @@ class BlockManager:
                 assert b not in free and b not in ev, b
             else:
                 assert (b in free) != (b in ev), b
+            if b in ev:
+                assert self.block_hash[b] is not None, b
         assert len(free) == len(self.free_ids)
+        assert all(self.cached[key] == b and self.block_hash[b] is not None for b, key in self.key_of.items())
+        assert len(self.cached) == len(self.key_of)
