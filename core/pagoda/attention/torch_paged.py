@@ -3,7 +3,8 @@
 For each sequence of the mixed batch it gathers the cached K/V through the block table
 and attends causally from the new tokens (query i of a chunk that starts after ``ctx``
 cached tokens sees keys ``0..ctx+i``), with grouped-query heads, an optional sliding
-window and logit soft-capping.
+window and logit soft-capping. An fp8 cache holds k / k_scale with per-layer scales
+(``Attention.kv_scales``), multiplied back after the gather.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from pagoda.forward_context import AttentionMetadata, get_forward_context
 from pagoda.interfaces import AttentionBackend
 from pagoda.kernels import get_op
+from pagoda.layers.attention import is_quantized_kv_cache
 
 
 def gather_cache(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -58,7 +60,11 @@ class TorchPagedAttention(AttentionBackend):
         q = q.view(t, nq, hs)
         k = k.view(t, nk, hs)
         v = v.view(t, nk, hs)
-        get_op("store_kv_cache")(k, v, kv_cache, meta.slot_mapping[:t])
+        scales = layer.kv_scales if is_quantized_kv_cache(kv_cache) else None
+        if scales is None:
+            get_op("store_kv_cache")(k, v, kv_cache, meta.slot_mapping[:t])
+        else:  # fp8 cache: store k / k_scale, read back times k_scale
+            get_op("store_kv_cache")(k, v, kv_cache, meta.slot_mapping[:t], scales["k_scale"], scales["v_scale"])
         out = torch.empty_like(q)
         probe = get_forward_context().attention_probe
         starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
@@ -68,6 +74,8 @@ class TorchPagedAttention(AttentionBackend):
                 continue
             keys = gather_cache(kv_cache[0], meta.block_tables[i], length)
             values = gather_cache(kv_cache[1], meta.block_tables[i], length)
+            if scales is not None:
+                keys, values = keys.float() * scales["k_scale"], values.float() * scales["v_scale"]
             o, probs = attend(q[qs:qe], keys, values, spec.scale, length - (qe - qs),
                               spec.sliding_window, spec.logits_soft_cap)
             out[qs:qe] = o

@@ -67,9 +67,16 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def store_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+                   slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None) -> None:
     """Write k, v [T, nk, hs] into kv_cache [2, num_blocks, block_size, nk, hs] at the flat
-    slots ``slot_mapping`` [T] (block * block_size + offset); slots < 0 are skipped (padding)."""
+    slots ``slot_mapping`` [T] (block * block_size + offset); slots < 0 are skipped (padding).
+    A quantized (fp8) cache gets float32 0-dim ``k_scale``/``v_scale``: it stores
+    ``clamp(k / k_scale)`` to the fp8 range, rounded to nearest."""
+    if k_scale is not None:
+        limit = torch.finfo(kv_cache.dtype).max
+        k = (k.float() / k_scale).clamp(-limit, limit)
+        v = (v.float() / v_scale).clamp(-limit, limit)
     nk, hs = kv_cache.shape[-2], kv_cache.shape[-1]
     k_flat = kv_cache[0].view(-1, nk, hs)
     v_flat = kv_cache[1].view(-1, nk, hs)
@@ -77,8 +84,11 @@ def store_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     if slots.numel() and bool((slots < 0).any()):
         keep = slots >= 0
         slots, k, v = slots[keep], k[keep], v[keep]
-    k_flat.index_copy_(0, slots, k.to(kv_cache.dtype))
-    v_flat.index_copy_(0, slots, v.to(kv_cache.dtype))
+    k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+    if kv_cache.dtype.itemsize == 1 and kv_cache.dtype.is_floating_point:  # no fp8 index_copy_ on cpu
+        k_flat, v_flat, k, v = (t.view(torch.uint8) for t in (k_flat, v_flat, k, v))
+    k_flat.index_copy_(0, slots, k)
+    v_flat.index_copy_(0, slots, v)
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

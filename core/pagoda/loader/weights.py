@@ -47,6 +47,15 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=No
     param.data.copy_(loaded)
 
 
+def _kv_cache_scale(model: nn.Module, name: str, tensor: torch.Tensor) -> bool:
+    """FP8 checkpoints carry per-layer KV cache scales that are not parameters."""
+    if not name.endswith("_scale"):
+        return False
+    from pagoda.layers.attention import load_kv_cache_scale
+
+    return load_kv_cache_scale(model, name, tensor)
+
+
 def load_by_name(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                  stacked: Iterable[tuple[str, str, object]] = LLAMA_STACKED,
                  skip: Callable[[str], bool] | None = None,
@@ -66,6 +75,8 @@ def load_by_name(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                 target, shard = target.replace(f".{part}.", f".{fused}."), shard_id
                 break
         param = params.get(target)
+        if param is None and _kv_cache_scale(model, rename(name) if rename else name, tensor):
+            continue
         if param is None:
             raise ModelLoadError(f"{where(name)}: tensor {name!r} does not belong to this model "
                                  f"({type(model).__name__}); is config.json from the same checkpoint?")
