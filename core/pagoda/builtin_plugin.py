@@ -1,5 +1,6 @@
 """The core's own hook implementations: the CPU platform, the pure-torch attention
-backend, the default KV allocator and the torch reference of every kernel op."""
+backends (multi-head and MLA), the default KV allocator and the torch reference of every
+kernel op."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ def register_platforms(register):
 
 @hookimpl
 def register_attention_backends(register):
+    from pagoda.attention.torch_mla import TorchMLAAttention
     from pagoda.attention.torch_paged import TorchPagedAttention
 
     register(TorchPagedAttention())
+    register(TorchMLAAttention())
 
 
 @hookimpl

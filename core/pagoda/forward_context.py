@@ -54,8 +54,9 @@ class AttentionMetadata:
 class ForwardContext:
     attn_metadata: AttentionMetadata | None
     backends: dict[str, Any]  # attention kind ("mha"/"mla") -> selected AttentionBackend
-    # Per-token total sequence length (prompt + generated when the token was scheduled);
-    # set only when a layer asked for it (long-context rotary scaling).
+    # Per-token sequence length the token is computed at: max(prompt length, position + 1)
+    # (the whole prompt for prompt tokens, however it is chunked; position + 1 for generated
+    # tokens, also when recomputed after preemption). Read by length-dependent rotary scaling.
     token_seq_lens: torch.Tensor | None = None
     # MoE layers add per-expert token counts here: layer prefix -> LongTensor [num_experts]
     expert_counts: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -17,7 +17,7 @@ from pagoda.sequence import Sequence
 class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    token_seq_lens: torch.Tensor  # [T] int32, total tokens of each token's sequence
+    token_seq_lens: torch.Tensor  # [T] int32, max(prompt length, position + 1) of each token
     meta: AttentionMetadata
     sample_indices: torch.Tensor  # [N] rows of the hidden states to sample from
     sample_seqs: list[Sequence]
@@ -46,7 +46,11 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, device: torch.devic
             ids[start:start + k] = it.seq.token_ids[c:c + k]
         row = np.repeat(np.arange(n), num_new)
         positions = np.arange(t, dtype=np.int64) - np.repeat(qsl[:-1] - computed, num_new)
-        token_seq_lens = np.repeat(total, num_new)
+        # The sequence length each token is computed at, independent of chunking and of
+        # recomputation after preemption: the prompt length for prompt tokens, position + 1
+        # for generated ones (as transformers does: prefill once, then one token at a time).
+        prompt_lens = np.fromiter((it.seq.num_prompt_tokens for it in items), np.int64, n)
+        token_seq_lens = np.maximum(np.repeat(prompt_lens, num_new), positions + 1)
 
     max_blocks = int(-(-seq_lens.max() // block_size)) if n else 1
     width = max(block_table_width or max_blocks, max_blocks)

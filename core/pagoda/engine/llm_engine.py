@@ -15,6 +15,7 @@ from pagoda.config import EngineConfig
 from pagoda.detokenizer import Detokenizer, find_stop_string
 from pagoda.engine.model_runner import ModelRunner
 from pagoda.errors import ConfigError, RequestError
+from pagoda.layers.rotary import uses_sequence_length
 from pagoda.loader.model_loader import load_config
 from pagoda.loader.source import resolve_source
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
@@ -66,7 +67,13 @@ class LLMEngine:
                 f"{num_blocks * config.block_size} tokens, less than one sequence of max_model_len="
                 f"{self.max_model_len}: lower max_model_len or give the cache more room "
                 f"(num_kv_blocks, kv_cache_memory_gb, memory_utilization)")
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        prefix_caching = config.enable_prefix_caching
+        if prefix_caching and uses_sequence_length(self.runner.model, self.max_model_len):
+            logger.warning("prefix caching is off: this model's rotary scaling depends on each sequence's length "
+                           "(e.g. LongRoPE beyond original_max_position_embeddings), so cached blocks cannot be "
+                           "shared between sequences; lower max_model_len to the switch length to keep it")
+            prefix_caching = False
+        self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
         self.runner.capture_graphs(config.max_num_seqs, self.max_model_len)

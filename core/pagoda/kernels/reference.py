@@ -96,18 +96,24 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     """Mixture-of-experts MLP, tokens grouped by expert.
 
     hidden [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_weights
-    [T, K] (float32) and topk_ids [T, K] from the router. Returns
-    sum_k topk_weights[t, k] * w2[e] @ act_and_mul(w13[e] @ hidden[t]) with e = topk_ids[t, k].
+    [T, K] (float32) and topk_ids [T, K] (integer) from the router. Returns [T, H] =
+    sum_k topk_weights[t, k] * w2[e] @ act_and_mul(w13[e] @ hidden[t]) with e = topk_ids[t, k],
+    the weighting done in the activation dtype. Ids outside [0, E) contribute nothing: with
+    expert parallelism the layer maps experts held by other ranks to -1.
     """
+    if activation not in _GATED_ACTS:
+        raise ValueError(f"fused_moe: activation {activation!r} is not supported ({', '.join(_GATED_ACTS)})")
+    act = _GATED_ACTS[activation]
     t, k = topk_ids.shape
-    act = silu_and_mul if activation == "silu" else gelu_tanh_and_mul
-    flat_ids = topk_ids.reshape(-1)
+    num_experts = w13.shape[0]
+    flat_ids = topk_ids.reshape(-1).long()
+    flat_ids = torch.where((flat_ids >= 0) & (flat_ids < num_experts), flat_ids, num_experts)
     order = torch.argsort(flat_ids, stable=True)  # (token, k) pairs grouped by expert
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=num_experts + 1).tolist()
     token_of = order // k
     out = torch.zeros(t * k, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
     start = 0
-    for expert, count in enumerate(counts):
+    for expert, count in enumerate(counts[:num_experts]):
         if count == 0:
             continue
         rows = order[start:start + count]
@@ -119,6 +125,23 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     return (out * weights).view(t, k, -1).sum(dim=1)
 
 
+_GATED_ACTS = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
+
+
+def store_mla_cache(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    """MLA: write the latent kv_c [T, L] and the rotated key part k_pe [T, R] into
+    kv_cache [num_blocks, block_size, L + R] (latent first) at the flat slots
+    ``slot_mapping`` [T]; slots < 0 are skipped (padding)."""
+    flat = kv_cache.view(-1, kv_cache.shape[-1])
+    slots = slot_mapping.long()
+    entry = torch.cat((kv_c, k_pe), dim=-1)
+    if slots.numel() and bool((slots < 0).any()):
+        keep = slots >= 0
+        slots, entry = slots[keep], entry[keep]
+    flat.index_copy_(0, slots, entry.to(kv_cache.dtype))
+
+
 OPS = {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
@@ -127,4 +150,5 @@ OPS = {
     "gelu_tanh_and_mul": gelu_tanh_and_mul,
     "store_kv_cache": store_kv_cache,
     "fused_moe": fused_moe,
+    "store_mla_cache": store_mla_cache,
 }

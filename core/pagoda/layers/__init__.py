@@ -1,6 +1,6 @@
 """Building blocks for model files: parallel/quantizable linear layers, rotary embedding
 with every scaling, RMSNorm, gated activations, vocab-parallel embedding and LM head,
-attention over the paged cache."""
+attention over the paged cache (multi-head and MLA), the MoE layer and its routing."""
 
 from pagoda.layers.activation import GatedActivation, SiluAndMul
 from pagoda.layers.attention import Attention
@@ -15,12 +15,16 @@ from pagoda.layers.linear import (
     UnquantizedLinearMethod,
     set_weight_attrs,
 )
+from pagoda.layers.mla import MLAAttention
+from pagoda.layers.moe import FusedMoE, FusedMoEMethod, UnquantizedFusedMoEMethod, expert_params_mapping
+from pagoda.layers.moe_routing import Routing
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_of
 
 __all__ = [
-    "Attention", "ColumnParallelLinear", "GatedActivation", "LinearBase", "MergedColumnParallelLinear",
-    "ParallelLMHead", "QKVParallelLinear", "RMSNorm", "ReplicatedLinear", "RotaryEmbedding",
-    "RowParallelLinear", "SiluAndMul", "UnquantizedLinearMethod", "VocabParallelEmbedding", "get_rope",
-    "rope_parameters_of", "set_weight_attrs",
+    "Attention", "ColumnParallelLinear", "FusedMoE", "FusedMoEMethod", "GatedActivation", "LinearBase",
+    "MLAAttention", "MergedColumnParallelLinear", "ParallelLMHead", "QKVParallelLinear", "RMSNorm",
+    "ReplicatedLinear", "RotaryEmbedding", "Routing", "RowParallelLinear", "SiluAndMul",
+    "UnquantizedFusedMoEMethod", "UnquantizedLinearMethod", "VocabParallelEmbedding", "expert_params_mapping",
+    "get_rope", "rope_parameters_of", "set_weight_attrs",
 ]

@@ -4,8 +4,12 @@ All scalings reduce to a float32 table of (cos, sin) per position, with any atte
 scaling (YaRN mscale, LongRoPE factor) folded in, so one kernel serves them all. Scalings
 that depend on the sequence length (LongRoPE's short/long factors, dynamic NTK) keep two
 tables stacked: rows ``[0, P)`` for sequences up to the original length and rows
-``[P, 2P)`` for longer ones; each token picks its table from the total length of its
-sequence (``ForwardContext.token_seq_lens``), as HF transformers does per forward pass.
+``[P, 2P)`` for longer ones; each token picks its table from the length its sequence has
+when the token is computed (``ForwardContext.token_seq_lens``: the prompt length for prompt
+tokens, position + 1 for generated ones), as HF transformers does with its cache (prefill
+at the prompt length, then one token at a time). Such a rotation depends on more than the
+token's position, so the engine turns prefix caching off for these models
+(``uses_sequence_length``).
 """
 
 from __future__ import annotations
@@ -164,3 +168,11 @@ def rope_parameters_of(hf_config) -> dict:
         out["original_max_position_embeddings"] = getattr(
             hf_config, "original_max_position_embeddings", getattr(hf_config, "max_position_embeddings", 0))
     return out
+
+
+def uses_sequence_length(model: nn.Module, max_model_len: int) -> bool:
+    """Whether a rotary layer of ``model`` rotates a position differently depending on its
+    sequence's length for sequences up to ``max_model_len`` (LongRoPE, dynamic NTK beyond
+    their switch length): cached blocks of one sequence are then not reusable by another."""
+    return any(isinstance(m, RotaryEmbedding) and m.long_threshold is not None and max_model_len > m.long_threshold
+               for m in model.modules())

@@ -7,6 +7,7 @@ returns the parameter names it filled, so the loader can report any that stayed 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -47,6 +48,18 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=No
     param.data.copy_(loaded)
 
 
+# ".experts.7.gate_proj." (one expert's tensor) or ".experts.gate_up_proj" (all experts stacked)
+_EXPERT_PART = re.compile(r"\.experts\.(?:\d+\.[^.]+\.|[^.]+)")
+
+
+def _expert_part(name: str, by_part: dict) -> tuple[str, tuple] | None:
+    for match in _EXPERT_PART.finditer(name):
+        entry = by_part.get(match.group(0))
+        if entry is not None:
+            return match.group(0), entry
+    return None
+
+
 def _kv_cache_scale(model: nn.Module, name: str, tensor: torch.Tensor) -> bool:
     """FP8 checkpoints carry per-layer KV cache scales that are not parameters."""
     if not name.endswith("_scale"):
@@ -59,21 +72,34 @@ def _kv_cache_scale(model: nn.Module, name: str, tensor: torch.Tensor) -> bool:
 def load_by_name(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                  stacked: Iterable[tuple[str, str, object]] = LLAMA_STACKED,
                  skip: Callable[[str], bool] | None = None,
-                 rename: Callable[[str], str] | None = None) -> set[str]:
-    """Load every tensor; an unknown name is an error naming the tensor and its file."""
+                 rename: Callable[[str], str] | None = None,
+                 experts: Iterable[tuple[str, str, int | None, str]] = ()) -> set[str]:
+    """Load every tensor; an unknown name is an error naming the tensor and its file.
+
+    ``experts``: (parameter part, checkpoint part, expert id, shard id) from
+    ``pagoda.layers.moe.expert_params_mapping``, checkpoint parts shaped ``.experts.{e}.{name}.``
+    or ``.experts.{name}``; tried before ``stacked``, found by a dict lookup (checkpoints hold
+    tens of thousands of expert tensors); a match calls ``loader(param, tensor, shard_id, expert_id)``.
+    """
     params = dict(model.named_parameters())
     where = getattr(weights, "where", lambda name: "checkpoint")
     loaded: set[str] = set()
     stacked = tuple(stacked)
+    by_part = {part: (fused, expert_id, shard_id) for fused, part, expert_id, shard_id in experts}
     for name, tensor in weights:
         if skip is not None and skip(name):
             continue
         target = rename(name) if rename else name
-        shard = None
-        for fused, part, shard_id in stacked:
-            if f".{part}." in target:
-                target, shard = target.replace(f".{part}.", f".{fused}."), shard_id
-                break
+        shard, expert = None, None
+        hit = _expert_part(target, by_part) if by_part else None
+        if hit is not None:
+            part, (fused, expert_id, shard) = hit
+            target, expert = target.replace(part, fused), (expert_id,)
+        else:
+            for fused, part, shard_id in stacked:
+                if f".{part}." in target:
+                    target, shard = target.replace(f".{part}.", f".{fused}."), shard_id
+                    break
         param = params.get(target)
         if param is None and _kv_cache_scale(model, rename(name) if rename else name, tensor):
             continue
@@ -82,7 +108,9 @@ def load_by_name(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                                  f"({type(model).__name__}); is config.json from the same checkpoint?")
         loader = getattr(param, "weight_loader", default_weight_loader)
         try:
-            if shard is None:
+            if expert is not None:
+                loader(param, tensor, shard, expert[0])
+            elif shard is None:
                 loader(param, tensor)
             else:
                 loader(param, tensor, shard)

@@ -10,9 +10,12 @@ import torch
 
 
 def make_tiny_checkpoint(model_type: str, directory: str | Path, seed: int = 0, tokenizer: bool = False,
-                         **overrides: Any) -> Path:
+                         randomize_buffers: bool = False, **overrides: Any) -> Path:
     """Build a random ``AutoModelForCausalLM`` from ``AutoConfig.for_model(model_type, ...)``
-    and ``save_pretrained`` it (float32 safetensors) into ``directory``."""
+    and ``save_pretrained`` it (float32 safetensors) into ``directory``.
+
+    ``randomize_buffers``: also draw the saved floating-point buffers from N(0, 0.1) (HF
+    initialises some to zeros, e.g. DeepSeek-V3's ``e_score_correction_bias``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     directory = Path(directory)
@@ -27,6 +30,11 @@ def make_tiny_checkpoint(model_type: str, directory: str | Path, seed: int = 0, 
                 param.uniform_(0.8, 1.2)
             elif "bias" in name:
                 param.normal_(0.0, 0.05)
+        if randomize_buffers:
+            saved = set(model.state_dict())
+            for name, buffer in model.named_buffers():
+                if name in saved and buffer.is_floating_point():
+                    buffer.normal_(0.0, 0.1)
     model.save_pretrained(directory, safe_serialization=True)
     if tokenizer:
         save_byte_tokenizer(directory, config.vocab_size)
@@ -70,17 +78,73 @@ def _load_hf(directory: str | Path):
 
 @torch.no_grad()
 def hf_greedy_tokens(directory: str | Path, prompts: list[list[int]], max_new_tokens: int,
-                     model=None) -> list[list[int]]:
-    """Greedy continuation of each prompt, one at a time (no padding), by transformers."""
+                     model=None, stepwise: bool = False) -> list[list[int]]:
+    """Greedy continuation of each prompt, one at a time (no padding), by transformers.
+
+    ``stepwise``: instead of ``generate``, one prefill of the prompt then one forward per
+    new token over transformers' ``DynamicCache`` with explicit positions, bypassing a
+    model's own ``prepare_inputs_for_generation`` (transformers 5.17's Phi-3 drops the cache
+    once a sequence grows past ``original_max_position_embeddings`` and from then on feeds
+    each new token with no context at all).
+    """
     model = model or _load_hf(directory)
     outs = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
+        if stepwise:
+            outs.append(_stepwise_greedy(model, prompt, max_new_tokens))
+            continue
         gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
                              pad_token_id=0)
         outs.append(gen[0, len(prompt):].tolist())
     return outs
+
+
+def _stepwise_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    out = model(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+    tokens: list[int] = []
+    for step in range(max_new_tokens):
+        tokens.append(int(out.logits[0, -1].argmax()))
+        if step + 1 < max_new_tokens:
+            position = torch.tensor([[len(prompt) + step]])
+            out = model(torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True, position_ids=position)
+    return tokens
+
+
+@torch.no_grad()
+def hf_expert_counts(directory: str | Path, sequences: list[list[int]], model=None) -> dict[str, list[int]]:
+    """Tokens routed to each expert by transformers' own routers over ``sequences`` (one
+    forward each): {router module name (e.g. ``model.layers.1.mlp.gate``): [count per expert]}.
+
+    Every router module of the HF model (a class named ``*TopKRouter``/``*TopkRouter``
+    returning (logits, weights, expert indices)) is hooked; each (token, chosen expert) pair
+    counts one."""
+    model = model or _load_hf(directory)
+    counts: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name, module in model.named_modules():
+        if type(module).__name__.lower().endswith("topkrouter"):
+            experts = module.weight.shape[0]
+
+            def record(mod, args, output, name=name, experts=experts):
+                ids = output[2].reshape(-1)
+                counts[name] = counts.get(name, torch.zeros(experts, dtype=torch.long)) + torch.bincount(
+                    ids, minlength=experts)
+
+            hooks.append(module.register_forward_hook(record))
+    if not hooks:
+        raise ValueError(f"{type(model).__name__} has no *TopKRouter module to count expert choices from")
+    try:
+        for seq in sequences:
+            model(torch.tensor([seq]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {name: c.tolist() for name, c in sorted(counts.items())}
 
 
 @torch.no_grad()
