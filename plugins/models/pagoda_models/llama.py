@@ -35,12 +35,14 @@ def sliding_window_of(config, layer_idx: int) -> int | None:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool, quant_config, prefix: str):
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool, quant_config, prefix: str,
+                 reduce_results: bool = True):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, bias=bias,
                                                        quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
+        # reduce_results=False: a MoE block sums this with its experts and all-reduces once
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, quant_config=quant_config,
-                                           prefix=f"{prefix}.down_proj")
+                                           prefix=f"{prefix}.down_proj", reduce_results=reduce_results)
         self.act_fn = GatedActivation(act)
 
     def forward(self, x):
@@ -127,15 +129,19 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias: bool | None = None
     o_bias: bool | None = None
     qk_norm = False
+    decoder_layer = LlamaDecoderLayer  # subclasses swap the layer (e.g. MoE MLPs)
+
+    def attention_biases(self, config) -> tuple[bool, bool]:
+        """(qkv bias, o_proj bias) of this architecture for ``config``."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return (bias if self.qkv_bias is None else self.qkv_bias), (bias if self.o_bias is None else self.o_bias)
 
     def __init__(self, config, quant_config=None, prefix: str = ""):
         super().__init__()
         self.config = config
-        bias = bool(getattr(config, "attention_bias", False))
-        qkv_bias = bias if self.qkv_bias is None else self.qkv_bias
-        o_bias = bias if self.o_bias is None else self.o_bias
-        self.model = LlamaModel(config, quant_config, "model", qkv_bias=qkv_bias, o_bias=o_bias,
-                                qk_norm=self.qk_norm)
+        qkv_bias, o_bias = self.attention_biases(config)
+        self.model = LlamaModel(config, quant_config, "model", layer_cls=self.decoder_layer, qkv_bias=qkv_bias,
+                                o_bias=o_bias, qk_norm=self.qk_norm)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.tie_to(self.model.embed_tokens)

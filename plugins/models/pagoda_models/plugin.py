@@ -7,6 +7,10 @@ ARCHITECTURES = {
     "MistralForCausalLM": "pagoda_models.mistral:MistralForCausalLM",
     "Qwen2ForCausalLM": "pagoda_models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "pagoda_models.qwen3:Qwen3ForCausalLM",
+    "Phi3ForCausalLM": "pagoda_models.phi3:Phi3ForCausalLM",
+    "Qwen2MoeForCausalLM": "pagoda_models.qwen2_moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "pagoda_models.qwen3_moe:Qwen3MoeForCausalLM",
+    "DeepseekV3ForCausalLM": "pagoda_models.deepseek_v3:DeepseekV3ForCausalLM",
 }
 
 
