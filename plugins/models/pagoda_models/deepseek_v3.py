@@ -169,8 +169,9 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
                 "e_score_correction_bias, routed_scaling_factor, float32 router; shared experts; "
                 "first_k_dense_replace; MTP layers skipped on load")
     TESTED = ("prompt logits (fp32) and 32+ greedy tokens with chunked prefill and preemption; q_lora on/off, "
-              "n_group > 1, YaRN, interleaved and plain rope; cache bytes per token; expert counts vs the HF "
-              "router's choices")
+              "n_group > 1 with a correction bias, YaRN with mscale, interleaved and plain rope, MTP tensors in "
+              "the checkpoint; cache bytes per token; expert counts vs the HF router's choices "
+              "(tests/test_models_deepseek.py)")
     decoder_layer = DeepseekV3DecoderLayer
 
     def load_weights(self, weights) -> set[str]:

@@ -68,7 +68,8 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 "factors, attention factor, both config spellings); partial rotary; sliding window")
     TESTED = ("prompt logits (fp32) and 32+ greedy tokens with chunked prefill and preemption, LongRoPE "
               "on/off, prompts longer than original_max_position_embeddings, hub-style and "
-              "`rope_parameters` configs, sliding window")
+              "`rope_parameters` configs, recompute after preemption past the switch, sliding window "
+              "(tests/test_models_phi3.py, tests/test_rotary.py)")
     qkv_bias = False
     o_bias = False
 

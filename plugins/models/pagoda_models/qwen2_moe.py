@@ -75,7 +75,8 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
     FEATURES = ("softmax top-k routing (norm_topk_prob), sigmoid-gated shared expert, decoder_sparse_step, "
                 "mlp_only_layers, q/k/v bias; experts via fused_moe with per-expert load counts")
     TESTED = ("prompt logits (fp32) and 32+ greedy tokens with chunked prefill and preemption; shared expert "
-              "on/off, norm_topk_prob, dense layers; expert counts vs the HF router's choices")
+              "on/off, norm_topk_prob, dense layers (mlp_only_layers, decoder_sparse_step); expert counts vs "
+              "the HF router's choices (tests/test_models_moe.py)")
     decoder_layer = Qwen2MoeDecoderLayer
     o_bias = False
 
