@@ -1,0 +1,76 @@
+"""``pagoda serve``: the OpenAI- and Ollama-compatible HTTP server.
+
+    pagoda serve                                  # the embedded default model on 127.0.0.1:8000
+    pagoda serve --config serve.yaml --port 9000  # flags override the file's engine:/server: keys
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import typing
+
+from pagoda.cli.engine_args import add_engine_args, engine_config_from_args
+from pagoda.server.config import ServerConfig, load_server_config
+
+# ServerConfig keys whose flag another group already defines (the engine's --served-model-name)
+SHARED_WITH_ENGINE = ("served_model_name",)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server (every key of ServerConfig; flags override --config)")
+    for name, field in ServerConfig.model_fields.items():
+        if name in SHARED_WITH_ENGINE:
+            continue
+        help_text = (field.description or "").replace("%", "%%")
+        args = typing.get_args(field.annotation)
+        if field.annotation is bool:
+            group.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
+                               help=help_text)
+        elif typing.get_origin(field.annotation) is list:
+            group.add_argument(_flag(name), dest=name, action="append", default=None,
+                               help=help_text + " (repeat the flag for several)")
+        elif field.annotation is int or int in args:
+            group.add_argument(_flag(name), dest=name, type=int, default=None, help=help_text)
+        elif field.annotation is float or float in args:
+            group.add_argument(_flag(name), dest=name, type=float, default=None, help=help_text)
+        else:
+            group.add_argument(_flag(name), dest=name, default=None, help=help_text)
+    group.add_argument("--api-key", dest="api_keys", action="append", help="same as --api-keys")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI- and Ollama-compatible HTTP server "
+                       "(default model: SmolLM2-135M-Instruct)",
+                       description="Serve a model over HTTP: /v1/completions, /v1/chat/completions, /v1/models, "
+                       "/api/generate, /api/chat, /api/tags, /health, /metrics. See docs/serving.md.")
+    add_engine_args(p)
+    add_server_args(p)
+    p.set_defaults(func=run)
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    values = {name: getattr(args, name, None) for name in ServerConfig.model_fields
+              if name not in SHARED_WITH_ENGINE}
+    return load_server_config(getattr(args, "config_file", None), **values)
+
+
+def run(args) -> int:
+    from pagoda.server.runner import build_app, run_server
+
+    server_config = server_config_from_args(args)  # checks the file's sections first
+    engine_config = engine_config_from_args(args)
+    app = build_app(engine_config, server_config)
+    fe = app.state.frontend
+    engine = app.state.async_engine.engine
+
+    def announce(url: str) -> None:
+        print(f"pagoda: serving {fe.model_name} ({engine.platform.name}/{engine.dtype}, max_model_len "
+              f"{fe.max_model_len}) on {url}{' (API keys required)' if server_config.api_keys else ''}",
+              file=sys.stderr, flush=True)
+
+    return run_server(app, server_config, announce=announce)

@@ -1,0 +1,354 @@
+"""AsyncEngine: one background thread steps an ``LLMEngine``; asyncio callers get per-request streams.
+
+The LLMEngine is not thread-safe, so only the engine thread touches it. Callers on an
+asyncio loop send it commands (add, abort, run a function) through a locked list; the
+thread applies them between two steps, steps while any request is unfinished, and hands
+each ``RequestOutput`` to its request's stream with ``loop.call_soon_threadsafe``.
+
+Outputs are cumulative (text and token ids so far), so a reader that falls behind only
+needs the newest one: ``RequestStream`` coalesces what piled up. A stream that is
+closed before its request finished (client gone, timeout, cancellation) aborts the
+request, which frees its KV blocks at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.errors import PagodaError
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagoda")
+
+
+class QueueFullError(PagodaError):
+    """The waiting queue holds ``max_queued_requests`` requests already."""
+
+
+class EngineStoppedError(PagodaError):
+    """The engine is shutting down (or failed) and takes no new requests."""
+
+
+class RequestTimeoutError(PagodaError):
+    """A request ran past its deadline and was aborted."""
+
+
+class RequestAbortedError(PagodaError):
+    """The engine aborted a request (shutdown, or the engine loop failed)."""
+
+
+_FINISHED = object()  # stream sentinel: no more outputs
+
+
+class RequestStream:
+    """Async iterator over one request's outputs (each cumulative). Closing it early aborts."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop,
+                 deadline: float | None):
+        self.engine = engine
+        self.request_id = request_id
+        self.loop = loop
+        self.deadline = deadline  # time.monotonic() value, or None
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False  # the request reached a final output or an error
+        self.last: RequestOutput | None = None
+
+    # called on the engine thread
+    def _push(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            if self.deadline is None:
+                item = await self.queue.get()
+            else:
+                item = await asyncio.wait_for(self.queue.get(), max(0.0, self.deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            self.close()
+            raise RequestTimeoutError(f"request {self.request_id} did not finish within its timeout") from None
+        except BaseException:
+            self.close()  # cancelled (client gone): abort the request
+            raise
+        # Outputs are cumulative: skip to the newest one that is already here.
+        while isinstance(item, RequestOutput) and not item.finished and not self.queue.empty():
+            item = self.queue.get_nowait()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item is _FINISHED:
+            self.finished = True
+            raise StopAsyncIteration
+        self.last = item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def close(self) -> None:
+        """Stop listening; abort the request if it has not finished."""
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    """Serve an ``LLMEngine`` to asyncio code.
+
+    ``max_queued_requests``: most requests waiting for a seat (added but not yet running);
+    one more raises ``QueueFullError``. None: no limit.
+    """
+
+    def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None):
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self._cond = threading.Condition()
+        self._commands: list[Callable[[], None]] = []
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._pending_adds = 0  # submitted, not yet applied by the engine thread
+        self._num_waiting = 0  # waiting requests after the last step (engine thread writes)
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._closed = False  # the engine thread ended or is ending: adds are refused
+        self._thread_done = False  # no command submitted from now on would be run by the thread
+        self.accepting = True
+        self.error: BaseException | None = None  # set when the engine loop failed
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop = self._closed = self._thread_done = False
+        self.accepting = True
+        self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def stop_accepting(self) -> None:
+        self.accepting = False
+
+    async def shutdown(self, drain_timeout: float = 0.0) -> None:
+        """Refuse new requests, let running ones finish for up to ``drain_timeout`` seconds,
+        abort the rest (their streams raise ``RequestAbortedError``) and stop the thread."""
+        self.accepting = False
+        if self._thread is None:
+            return
+        deadline = time.monotonic() + drain_timeout
+        while time.monotonic() < deadline and self.num_unfinished() > 0:
+            await asyncio.sleep(0.05)
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        thread, self._thread = self._thread, None
+        await asyncio.to_thread(thread.join)
+
+    def num_unfinished(self) -> int:
+        return len(self._streams) + self._pending_adds
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet running: submitted but not added, plus the engine's waiting queue."""
+        return self._pending_adds + self._num_waiting
+
+    # ------------------------------------------------------------------ commands (any thread)
+    def _submit(self, command: Callable[[], None]) -> None:
+        with self._cond:
+            if self._thread_done:  # nobody will run it: run it here (it only resolves futures)
+                run_now = True
+            else:
+                run_now = False
+                self._commands.append(command)
+                self._cond.notify()
+        if run_now:
+            command()
+
+    def _check_open(self) -> None:
+        if self.error is not None:
+            raise EngineStoppedError(f"the engine failed and serves no more requests: {self.error}")
+        if not self.accepting or self._thread is None:
+            raise EngineStoppedError("the server is shutting down and takes no new requests")
+
+    async def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                          request_id: str | None = None, prompt: str | None = None,
+                          timeout: float | None = None) -> RequestStream:
+        """Queue a request; return its stream once the engine accepted it. Raises the
+        engine's ``RequestError`` for a bad request, ``QueueFullError``, ``EngineStoppedError``."""
+        self._check_open()
+        if self.max_queued_requests is not None and self.num_waiting >= self.max_queued_requests:
+            raise QueueFullError(f"the server's queue is full ({self.num_waiting} requests waiting, "
+                                 f"max_queued_requests={self.max_queued_requests}); retry later")
+        loop = asyncio.get_running_loop()
+        rid = request_id or f"req-{next(self._ids)}"
+        deadline = None if timeout is None else time.monotonic() + timeout
+        stream = RequestStream(self, rid, loop, deadline)
+        accepted: asyncio.Future = loop.create_future()
+        arrival = time.time()
+
+        def add() -> None:
+            with self._cond:
+                self._pending_adds -= 1
+            if self._closed:
+                _resolve(loop, accepted, exc=EngineStoppedError("the server is shutting down and takes no new "
+                                                                "requests"))
+                return
+            try:
+                self.engine.add_request(rid, prompt, params, prompt_token_ids=prompt_token_ids,
+                                        arrival_time=arrival)
+            except BaseException as exc:  # a bad request: refuse it, change nothing else
+                _resolve(loop, accepted, exc=exc)
+                return
+            self._streams[rid] = stream
+            self._num_waiting += 1
+            _resolve(loop, accepted, result=None)
+
+        with self._cond:
+            self._pending_adds += 1
+        self._submit(add)
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            stream.close()
+            raise
+        return stream
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None, timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Convenience: add a request and iterate over its outputs."""
+        stream = await self.add_request(prompt_token_ids, params, request_id, timeout=timeout)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if it already finished). Safe from any thread."""
+        def do_abort() -> None:
+            stream = self._streams.pop(request_id, None)
+            self.engine.abort_request(request_id)
+            if stream is not None:
+                stream._push(_FINISHED)
+
+        self._submit(do_abort)
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread between two steps and return its result."""
+        if self._thread is None or not self._thread.is_alive():
+            return fn(self.engine)  # no loop running: nothing can race with us
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+
+        def run() -> None:
+            try:
+                _resolve(loop, future, result=fn(self.engine))
+            except BaseException as exc:
+                _resolve(loop, future, exc=exc)
+
+        self._submit(run)
+        return await future
+
+    def call_sync(self, fn: Callable[[LLMEngine], Any], timeout: float | None = 30.0) -> Any:
+        """``call`` for threads without an event loop (tests, admin code)."""
+        if self._thread is None or not self._thread.is_alive():
+            return fn(self.engine)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn(self.engine))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        self._submit(run)
+        return future.result(timeout)
+
+    async def get_stats(self) -> dict[str, Any]:
+        return await self.call(lambda engine: engine.get_stats())
+
+    # ------------------------------------------------------------------ the engine thread
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cond:
+                while not self._commands and not self._stop and not engine.has_unfinished_requests():
+                    self._cond.wait()
+                commands, self._commands = self._commands, []
+                stop = self._stop
+            for command in commands:
+                command()
+            if stop:
+                self._abort_all(RequestAbortedError("the server shut down before the request finished"))
+                return
+            if not engine.has_unfinished_requests():
+                self._num_waiting = 0  # aborts may have emptied the queue without a step
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # a bug or a device failure: fail every request, refuse new ones
+                logger.exception("the engine loop failed")
+                self.error = exc
+                self.accepting = False
+                self._abort_all(RequestAbortedError(f"the engine failed: {exc}"))
+                return
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue
+                if out.finished:
+                    del self._streams[out.request_id]
+                stream._push(out)
+            # requests whose sequences all wait (a request with one running sequence has a seat)
+            self._num_waiting = len({s.request_id for s in engine.scheduler.waiting}
+                                    - {s.request_id for s in engine.scheduler.running})
+
+    def _abort_all(self, exc: BaseException) -> None:
+        """End every stream with ``exc``; answer commands that arrive until the thread exits."""
+        self._closed = True
+        for rid, stream in list(self._streams.items()):
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # the engine may be broken; the stream still has to end
+                logger.exception("aborting %s failed", rid)
+            stream._push(exc)
+        self._streams.clear()
+        self._num_waiting = 0
+        with self._cond:
+            commands, self._commands = self._commands, []
+            self._thread_done = True
+        for command in commands:  # late adds are refused (self._closed), calls still run
+            command()
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result: Any = None,
+             exc: BaseException | None = None) -> None:
+    def set_it() -> None:
+        if future.done():
+            return
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+
+    try:
+        loop.call_soon_threadsafe(set_it)
+    except RuntimeError:  # loop closed
+        pass

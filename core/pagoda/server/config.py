@@ -1,0 +1,108 @@
+"""ServerConfig: the ``server:`` section of a serve.yaml, ``PAGODA_*`` variables and flags.
+
+A serve.yaml has two sections, ``engine:`` (EngineConfig) and ``server:`` (ServerConfig).
+Precedence, lowest first: defaults, the file, ``PAGODA_<KEY>`` variables (``PAGODA_API_KEY``
+too), flags. Errors name the file or source and the key.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pagoda.config import build_config, env_overrides, read_yaml
+from pagoda.errors import ConfigError
+
+SECTIONS = ("engine", "server")
+
+
+class ServerConfig(BaseModel):
+    """How the HTTP server behaves. Field docs are the user documentation."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    host: str = Field("127.0.0.1", min_length=1, description="address to listen on (0.0.0.0: every "
+                      "interface)")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port (0: any free port)")
+    api_keys: list[str] = Field(default_factory=list, description="accepted bearer tokens; empty: no "
+                                "authentication (alias: api_key)")
+    served_model_name: str | None = Field(None, description="model name the API reports and accepts; "
+                                          "default: the engine's served_model_name, else the model's name")
+    cors_allow_origins: list[str] = Field(default_factory=list, description="origins allowed by CORS "
+                                          "(['*'] for any); empty: no CORS headers")
+    max_queued_requests: int | None = Field(256, gt=0, description="most requests waiting for a seat; "
+                                            "one more is refused with 429; null: no limit")
+    request_timeout: float | None = Field(600.0, gt=0, description="seconds a request may take before it is "
+                                          "aborted (504); null: no limit")
+    shutdown_timeout: float = Field(30.0, ge=0, description="on SIGTERM, seconds in-flight requests may "
+                                    "finish before they are aborted")
+    max_request_bytes: int = Field(8 << 20, gt=0, description="largest request body; a larger one gets 413")
+    access_log: bool = Field(False, description="log every HTTP request (uvicorn access log)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _aliases(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "api_key" in data:
+            data = dict(data)
+            key = data.pop("api_key")
+            if key is not None:
+                data["api_keys"] = [*_as_list(data.get("api_keys")), *_as_list(key)]
+        return data
+
+    @field_validator("api_keys", "cors_allow_origins", mode="before")
+    @classmethod
+    def _comma_list(cls, v: Any) -> Any:
+        # "a,b" from an environment variable or a single flag value
+        return _as_list(v)
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys_not_empty(cls, v: list[str]) -> list[str]:
+        if any(not k.strip() for k in v):
+            raise ValueError("API keys must be non-empty strings")
+        return v
+
+
+def _as_list(v: Any) -> Any:
+    if v is None:
+        return []
+    if isinstance(v, str):
+        return [p.strip() for p in v.split(",") if p.strip()] if "," in v else [v]
+    if isinstance(v, (int, float)):
+        return [str(v)]
+    return v
+
+
+def read_serve_file(path: str) -> tuple[dict, dict]:
+    """(engine section, server section) of a serve.yaml. A file without sections holds
+    EngineConfig keys only; with sections, any other top-level key is an error."""
+    data = read_yaml(path)
+    if not any(s in data for s in SECTIONS):
+        return data, {}
+    unknown = [k for k in data if k not in SECTIONS]
+    if unknown:
+        raise ConfigError(f"{path}: unknown top-level key {unknown[0]!r} (a serve config has the sections "
+                          f"'engine' and 'server')")
+    sections = []
+    for name in SECTIONS:
+        section = data.get(name) or {}
+        if not isinstance(section, dict):
+            raise ConfigError(f"{path}: '{name}' must be a mapping of keys, not {type(section).__name__}")
+        sections.append(section)
+    return sections[0], sections[1]
+
+
+def load_server_config(config_file: str | None = None, **overrides: Any) -> ServerConfig:
+    """ServerConfig from the file's ``server:`` section, then ``PAGODA_*``, then ``overrides``
+    (None values are ignored, so unset flags do not override the file)."""
+    layers: list[tuple[str, dict]] = []
+    if config_file:
+        layers.append((str(config_file), read_serve_file(config_file)[1]))
+    env = env_overrides(ServerConfig)
+    if os.environ.get("PAGODA_API_KEY"):
+        env["api_keys"] = [*_as_list(env.get("api_keys")), os.environ["PAGODA_API_KEY"]]
+    layers.append(("environment (PAGODA_*)", env))
+    layers.append(("arguments", {k: v for k, v in overrides.items() if v is not None}))
+    return build_config(ServerConfig, layers)

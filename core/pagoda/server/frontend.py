@@ -1,0 +1,198 @@
+"""What every generation endpoint does: check the model, build prompt token ids, check the
+context length, submit to the AsyncEngine, and follow the outputs (metering them and
+aborting the request when the client goes away)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+
+from pagoda.engine.async_engine import AsyncEngine, RequestStream, RequestTimeoutError
+from pagoda.errors import ModelLoadError, RequestError
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+from pagoda.server.config import ServerConfig
+from pagoda.server.errors import APIError, bad_request
+from pagoda.server.formatting import TokenText
+from pagoda.server.metrics import ServerMetrics
+from pagoda.tokenizer import apply_chat_template
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the response was ready."""
+
+
+class Frontend:
+    def __init__(self, async_engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics):
+        engine = async_engine.engine
+        self.async_engine = async_engine
+        self.config = config
+        self.metrics = metrics
+        self.model_name = config.served_model_name or engine.model_name
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.created = int(time.time())
+        self.token_text = TokenText(self.tokenizer)
+
+    # ------------------------------------------------------------------ request checks
+    def check_model(self, name: str | None) -> None:
+        """None means the served model (OpenAI clients always send one; curl users may not)."""
+        if name is None or name in (self.model_name, f"{self.model_name}:latest"):
+            return
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                       param="model", code="model_not_found")
+
+    def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        if self.tokenizer is None:
+            raise bad_request("this model has no tokenizer: send the prompt as token ids", param=param)
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        except Exception as exc:
+            raise bad_request(f"the prompt could not be tokenized: {exc}", param=param) from exc
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    param: str = "messages") -> str:
+        try:
+            return apply_chat_template(self.tokenizer, messages, add_generation_prompt)
+        except ModelLoadError as exc:
+            raise bad_request(f"{exc}; use the completions endpoint with a plain prompt", param=param) from exc
+        except Exception as exc:  # the template itself refused the conversation (roles, order ...)
+            raise bad_request(f"the chat template could not render these messages: {exc}", param=param) from exc
+
+    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+                        param: str = "messages") -> tuple[str, list[int]]:
+        text = self.render_chat(messages, add_generation_prompt, param)
+        return text, self.encode(text, add_special_tokens=False, param=param)  # the template has BOS
+
+    def max_tokens(self, prompt_len: int, requested: int | None, param: str, prompt_param: str,
+                   default: int | None = None) -> int:
+        """Output budget; a prompt or ``requested`` that does not fit the context is a 400."""
+        if prompt_len >= self.max_model_len:
+            raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens and the "
+                           f"prompt has {prompt_len}, which leaves no room for output", param=prompt_param,
+                           code="context_length_exceeded")
+        budget = self.max_model_len - prompt_len
+        if requested is None:
+            return budget if default is None else min(default, budget)
+        if not isinstance(requested, int) or requested < 1:
+            raise bad_request(f"{param} must be an integer >= 1 (got {requested!r})", param=param)
+        if requested > budget:
+            raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                           f"has {prompt_len} and {param}={requested} would exceed it (at most {budget})",
+                           param=param, code="context_length_exceeded")
+        return requested
+
+    def sampling_params(self, build, **kwargs) -> SamplingParams:
+        """Call a protocol model's ``sampling_params``; a bad field becomes a 400 naming it."""
+        try:
+            params = build(**kwargs)
+            params.validate(self.async_engine.engine.config.max_logprobs)
+        except RequestError as exc:
+            raise bad_request(str(exc), param=exc.field) from exc
+        return params
+
+    # ------------------------------------------------------------------ running requests
+    async def submit(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None,
+                     prefix: str = "cmpl") -> RequestStream:
+        return await self.async_engine.add_request(prompt_ids, params, f"{prefix}-{uuid.uuid4().hex}",
+                                                   prompt=prompt, timeout=self.config.request_timeout)
+
+    async def follow(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+        """The stream's outputs, metered; closing early (or an error) aborts the request."""
+        start = time.monotonic()
+        first_token = None
+        reason = "abort"
+        try:
+            async for out in stream:
+                if first_token is None and any(c.token_ids for c in out.outputs):
+                    first_token = time.monotonic()
+                    self.metrics.ttft.observe(first_token - start)
+                if out.finished:
+                    reasons = {c.finish_reason for c in out.outputs}
+                    reason = "length" if reasons == {"length"} else "stop"
+                yield out
+        except RequestTimeoutError:
+            reason = "timeout"
+            raise
+        except Exception:
+            reason = "error"
+            raise
+        finally:
+            stream.close()
+            self.metrics.observe_request(stream.last, reason, start, first_token)
+
+    async def collect(self, request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
+        """Final outputs of ``streams``; if the client disconnects first, abort them all."""
+
+        async def last_output(stream: RequestStream) -> RequestOutput:
+            last = None
+            async for out in self.follow(stream):
+                last = out
+            if last is None or not last.finished:
+                raise APIError(503, "the request was aborted before it finished", code="aborted")
+            return last
+
+        tasks = [asyncio.ensure_future(last_output(s)) for s in streams]
+        everything = asyncio.gather(*tasks)
+        watcher = asyncio.ensure_future(wait_for_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({everything, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if everything in done:
+                return everything.result()
+            raise ClientDisconnected()
+        finally:
+            watcher.cancel()
+            for task in tasks:
+                task.cancel()  # no-op for finished ones; the others abort their request
+            for s in streams:
+                s.close()
+            if not everything.done():
+                everything.cancel()
+            await asyncio.gather(everything, return_exceptions=True)
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Return when the client closes the connection (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def merge(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """Interleave several async iterators: yields (iterator index, item) as items arrive.
+    An exception in one ends the merge (the others are closed)."""
+    if len(iterators) == 1:
+        async for item in iterators[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, it: AsyncIterator) -> None:
+        try:
+            async for item in it:
+                await queue.put((i, item))
+            await queue.put((i, done))
+        except BaseException as exc:  # noqa: B036 - forwarded to the consumer
+            await queue.put((i, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(iterators)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

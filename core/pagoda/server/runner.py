@@ -1,0 +1,122 @@
+"""Running the app under uvicorn: in the foreground (``pagoda serve``) or in a background
+thread (``ServerThread``: tests and embedding).
+
+Shutdown (SIGTERM, SIGINT or ``ServerThread.stop``): stop accepting connections and new
+requests, let in-flight responses finish for up to ``shutdown_timeout`` seconds, abort the
+rest, stop the engine loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+import time
+
+import uvicorn
+
+from pagoda.config import EngineConfig
+from pagoda.engine.async_engine import AsyncEngine
+from pagoda.errors import ConfigError
+from pagoda.server.config import ServerConfig
+
+logger = logging.getLogger("pagoda.server")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, refusing new requests (503) from the moment shutdown begins."""
+
+    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine):
+        super().__init__(config)
+        self.async_engine = async_engine
+
+    async def shutdown(self, sockets=None) -> None:
+        self.async_engine.stop_accepting()
+        await super().shutdown(sockets=sockets)
+
+
+def build_app(engine_config: EngineConfig, server_config: ServerConfig):
+    """Load the model (the slow part) and build the app; errors surface before any port is bound."""
+    from pagoda.engine.llm_engine import LLMEngine
+    from pagoda.server.app import create_app
+
+    engine = LLMEngine(engine_config)
+    async_engine = AsyncEngine(engine, max_queued_requests=server_config.max_queued_requests)
+    return create_app(async_engine, server_config)
+
+
+def _uvicorn_server(app, config: ServerConfig, port: int | None = None) -> _Server:
+    uv_config = uvicorn.Config(app, host=config.host, port=config.port if port is None else port,
+                               log_level=logging.getLogger().getEffectiveLevel(), access_log=config.access_log,
+                               timeout_graceful_shutdown=config.shutdown_timeout, lifespan="on")
+    return _Server(uv_config, app.state.async_engine)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket on host:port (port 0: a free one)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port} (server.host / server.port): {exc}") from exc
+    return sock
+
+
+def run_server(app, config: ServerConfig, announce=None) -> int:
+    """Serve in the foreground until SIGTERM/SIGINT; return 0 after a graceful shutdown.
+    ``announce(url)`` is called once the port is bound (with the real port when port is 0)."""
+    sock = bind(config.host, config.port)
+    port = sock.getsockname()[1]
+    server = _uvicorn_server(app, config, port=port)
+    if announce is not None:
+        announce(f"http://{config.host}:{port}")
+    # uvicorn re-raises the signal it caught once it has shut down; a no-op SIGTERM handler
+    # makes that a clean exit (status 0) instead of death by signal.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        sock.close()
+    return 0 if server.started else 1
+
+
+class ServerThread:
+    """Run an app in a background thread on a free (or given) port of ``config.host``.
+
+        with ServerThread(app) as server:
+            httpx.get(server.url + "/health")
+    """
+
+    def __init__(self, app, config: ServerConfig | None = None, port: int = 0):
+        self.app = app
+        self.config = config or app.state.config
+        self.sock = bind(self.config.host, port)
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://{self.config.host}:{self.port}"
+        self.server = _uvicorn_server(app, self.config, port=self.port)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="pagoda-server", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server on {self.url} did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.sock.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
