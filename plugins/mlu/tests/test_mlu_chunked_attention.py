@@ -119,3 +119,65 @@ def test_cpu_auto_keeps_the_torch_reference(llama):
     path, _, _ = llama
     llm = LLM(model=str(path), device="cpu", dtype="float32", num_kv_blocks=16, block_size=8, max_model_len=64)
     assert llm.engine.runner.backends["mha"].name == "torch"  # mlu_chunked auto-selects on the MLU only
+
+
+# ---------------------------------------------------------------- MoE and MLA models
+MOE_AND_MLA = {
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(TINY, moe_intermediate_size=32, head_dim=16, num_experts=8,
+                                              num_experts_per_tok=2, norm_topk_prob=True)),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", dict(TINY, moe_intermediate_size=32, num_key_value_heads=4,
+                                                  q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                                                  qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8,
+                                                  n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+                                                  n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                                                  norm_topk_prob=True)),
+}
+
+
+@pytest.mark.parametrize("model_type", list(MOE_AND_MLA))
+def test_moe_and_mla_greedy_matches_transformers(model_type, tmp_path):
+    from pagoda.plugins import get_registry
+
+    architecture, config = MOE_AND_MLA[model_type]
+    if architecture not in get_registry().models:
+        pytest.skip(f"{architecture} is not registered (pagoda-models without it)")
+    path = make_tiny_checkpoint(model_type, tmp_path, seed=1, **config)
+    prompts = random_prompts(3, 320, 5, 30, seed=4)
+    expected = hf_greedy_tokens(path, prompts, 12)
+    llm = LLM(model=str(path), device="cpu", dtype="float32", attention_backend="mlu_chunked",
+              attention_options={"tile_size": 5}, num_kv_blocks=32, block_size=4, max_model_len=64,
+              max_num_batched_tokens=16)
+    kinds = {kind: backend.name for kind, backend in llm.engine.runner.backends.items()}
+    assert kinds == ({"mla": "mlu_chunked"} if model_type == "deepseek_v3" else {"mha": "mlu_chunked"})
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+@pytest.mark.parametrize("tile_size", [1, 6, 64])
+def test_mla_matches_torch_mla_reference(tile_size):
+    from pagoda.attention.torch_mla import TorchMLAAttention
+
+    kernels.activate("cpu")
+    n, p, r, lora, vdim = 3, 8, 4, 12, 6
+    spec = AttentionSpec("mla", num_heads=n, num_kv_heads=1, head_size=lora + r, scale=0.3, kv_lora_rank=lora,
+                         qk_rope_head_dim=r, extra={"qk_nope_head_dim": p, "v_head_dim": vdim})
+    gen = torch.Generator().manual_seed(tile_size)
+    w_uk, w_uv = torch.randn(n, p, lora, generator=gen), torch.randn(n, vdim, lora, generator=gen)
+    layer = SimpleNamespace(spec=spec, absorbed_weights=lambda: (w_uk, w_uv))
+    batch = mixed_batch([9, 2], [(13, 6), (0, 11)], BLOCK, NUM_BLOCKS, seed=tile_size)
+    meta, t = batch.meta, batch.meta.num_tokens
+    ctx_slots = context_slots(batch)
+    cache_shape = MluChunkedAttention().kv_cache_shape(spec, NUM_BLOCKS, BLOCK)
+    assert cache_shape == TorchMLAAttention().kv_cache_shape(spec, NUM_BLOCKS, BLOCK)  # the core's latent layout
+    ref_cache, our_cache = torch.full(cache_shape, float("nan")), torch.full(cache_shape, float("nan"))
+    for cache in (ref_cache, our_cache):
+        gen_ctx = torch.Generator().manual_seed(99)
+        get_op("store_mla_cache")(torch.randn(len(ctx_slots), lora, generator=gen_ctx),
+                                  torch.randn(len(ctx_slots), r, generator=gen_ctx), cache, ctx_slots)
+    args = (torch.randn(t, n, p, generator=gen), torch.randn(t, n, r, generator=gen),
+            torch.randn(t, lora, generator=gen), torch.randn(t, r, generator=gen))
+    ours = MluChunkedAttention().configure({"tile_size": tile_size})
+    with set_forward_context(ForwardContext(attn_metadata=meta, backends={})):
+        expected = TorchMLAAttention().forward_mla(layer, *args, ref_cache, meta)
+        got = ours.forward_mla(layer, *args, our_cache, meta)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
