@@ -51,8 +51,25 @@ class GptqMethod(Int4KernelLayout):
         add_param(layer, "qzeros", (groups, n // i4.PACK), torch.int32,
                   input_dim=group_dim, output_dim=1, packed_dim=1, packed_factor=i4.PACK)
         add_param(layer, "scales", (groups, n), params_dtype, input_dim=group_dim, output_dim=1)
-        add_param(layer, "g_idx", (input_size,), torch.int32, input_dim=0)
+        add_param(layer, "g_idx", (input_size,), torch.int32, input_dim=0, weight_loader=self._g_idx_loader(layer))
         self.group = g
+
+    @staticmethod
+    def _g_idx_loader(layer):
+        """Fused pieces share their input, so GPTQ gives them one act order; check that."""
+        seen: list = []
+
+        def load(param, loaded, shard_id=None):
+            if getattr(layer, "tp_size", 1) > 1 and getattr(layer, "parallel", None) == "row":
+                size = param.shape[0]
+                loaded = loaded.narrow(0, layer.tp_rank * size, size)
+            if seen and not torch.equal(param.data, loaded.to(param.dtype)):
+                raise ModelLoadError(f"gptq: the pieces of fused layer {layer_name(layer)} have different g_idx "
+                                     f"(act orders); pagoda computes them as one matmul and needs one order")
+            param.data.copy_(loaded)
+            seen.append(shard_id)
+
+        return load
 
     def process_weights_after_loading(self, layer):
         zeros = i4.unpack_cols(layer.qzeros.data).to(torch.int32)
