@@ -141,7 +141,7 @@ def test_grouped_sigmoid_routing_matches_deepseek_router():
     x = torch.randn(50, 32)
     _, weights, ids = router(x)
     routing = Routing(num_experts=16, top_k=4, scoring="sigmoid", renormalize=True, num_groups=4, topk_groups=2,
-                      scaling_factor=2.5, uses_correction_bias=True)
+                      scaling_factor=2.5)
     chosen = routing.select(x @ router.weight.t(), router.e_score_correction_bias)
     _same_choices(chosen, (weights, ids))
     groups = chosen[1] // 4  # every token's experts come from at most topk_group groups

@@ -37,7 +37,6 @@ class Routing:
     num_groups: int = 1  # > 1: grouped top-k (DeepSeek's n_group)
     topk_groups: int = 1  # groups kept per token (DeepSeek's topk_group)
     scaling_factor: float = 1.0  # routed_scaling_factor, applied to the weights
-    uses_correction_bias: bool = False  # e_score_correction_bias added to the scores for choosing
 
     def __post_init__(self) -> None:
         if self.scoring not in SCORINGS:
@@ -57,7 +56,9 @@ class Routing:
 
     def select(self, router_logits: torch.Tensor,
                correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """router_logits [T, E] -> (topk_weights [T, K] float32, topk_ids [T, K] int64)."""
+        """router_logits [T, E] (+ correction_bias [E]) -> (topk_weights [T, K] float32,
+        topk_ids [T, K] int64). Grouped selection scores a group by its two best experts
+        (DeepSeek-V3)."""
         if self.scoring == "softmax" and self.num_groups == 1 and correction_bias is None:
             return softmax_topk(router_logits, self.top_k, self.renormalize, self.scaling_factor)
         return grouped_topk(router_logits, self.top_k, self.num_groups, self.topk_groups, self.renormalize,

@@ -15,6 +15,7 @@ token's position, so the engine turns prefix caching off for these models
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from torch import nn
@@ -148,9 +149,22 @@ class RotaryEmbedding(nn.Module):
         return get_op("rotary_embedding")(index, q, k, self.head_size, self.cos_sin_cache, self.is_neox)
 
 
+# Live rotary layers by construction arguments and device: the layers of a model share one
+# table (a 128k-position table of 128 dims is 64 MiB; one per layer would be gigabytes).
+_ROPES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
 def get_rope(head_size: int, rotary_dim: int, max_position: int, rope_parameters: dict | None,
              is_neox_style: bool = True) -> RotaryEmbedding:
-    return RotaryEmbedding(head_size, rotary_dim, max_position, rope_parameters, is_neox_style)
+    """A rotary layer for these settings, shared with any live layer built with the same ones
+    on the same default device (the table is read-only)."""
+    key = (head_size, rotary_dim, max_position, repr(sorted((rope_parameters or {}).items())), is_neox_style,
+           str(torch.get_default_device()))
+    rope = _ROPES.get(key)
+    if rope is None:
+        rope = RotaryEmbedding(head_size, rotary_dim, max_position, rope_parameters, is_neox_style)
+        _ROPES[key] = rope
+    return rope
 
 
 def rope_parameters_of(hf_config) -> dict:

@@ -123,8 +123,7 @@ class DeepseekV3MoE(nn.Module):
         routing = Routing(num_experts=num_experts, top_k=config.num_experts_per_tok, scoring="sigmoid",
                           renormalize=bool(config.norm_topk_prob), num_groups=getattr(config, "n_group", None) or 1,
                           topk_groups=getattr(config, "topk_group", None) or 1,
-                          scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0) or 1.0),
-                          uses_correction_bias=True)
+                          scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0) or 1.0))
         # the router stays in float32 whatever the model dtype (and is never quantized)
         self.gate = ReplicatedLinear(hidden, num_experts, bias=False, prefix=f"{prefix}.gate",
                                      params_dtype=torch.float32)
