@@ -53,8 +53,8 @@ class MLAAttention(Attention):
 
     def __init__(self, num_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
                  kv_lora_rank: int, scale: float, kv_b_proj: nn.Module, prefix: str = ""):
-        nn.Module.__init__(self)
-        self.prefix = prefix
+        # Attention's own state (cache binding, layer index, KV scales), then the MLA spec
+        super().__init__(num_heads, kv_lora_rank + qk_rope_head_dim, scale, num_kv_heads=1, prefix=prefix)
         self.spec = AttentionSpec(kind=self.kind, num_heads=num_heads, num_kv_heads=1,
                                   head_size=kv_lora_rank + qk_rope_head_dim, scale=scale,
                                   kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
@@ -64,9 +64,6 @@ class MLAAttention(Attention):
         self.v_head_dim, self.kv_lora_rank = v_head_dim, kv_lora_rank
         self._kv_b_proj = (kv_b_proj,)  # a tuple: the model owns (and loads) the projection
         self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.kv_cache: torch.Tensor | None = None
-        self.layer_index = -1
-        self.kv_scales: dict | None = None
 
     @property
     def kv_b_proj(self) -> nn.Module:
@@ -77,7 +74,8 @@ class MLAAttention(Attention):
         if self._absorbed is None:
             proj = self.kv_b_proj
             dequantize = getattr(getattr(proj, "quant_method", None), "dequantize", None)
-            weight = dequantize(proj) if dequantize is not None else proj.weight
+            # dequantize returns float32; the absorbed matmuls run in the model dtype
+            weight = dequantize(proj).to(proj.params_dtype) if dequantize is not None else proj.weight
             w = weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
             self._absorbed = (w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:])
         return self._absorbed
