@@ -45,6 +45,9 @@ class MluFusedAttention(MluChunkedAttention):
         return None
 
     def attend(self, q, k, v, out, kv_cache, meta: AttentionMetadata, spec: AttentionSpec) -> None:
+        if kv_cache.dtype != q.dtype:  # e.g. an fp8 cache: the tiles upcast whatever they read
+            super().attend(q, k, v, out, kv_cache, meta, spec)
+            return
         lib = tmo()
         window = spec.sliding_window - 1 if spec.sliding_window else -1
         if kv_cache.shape[3] in SINGLE_QUERY_BLOCK_SIZES:

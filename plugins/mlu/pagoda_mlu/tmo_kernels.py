@@ -23,6 +23,7 @@ import functools
 
 import torch
 
+from pagoda_mlu import paged_cache
 from pagoda_mlu.runtime import load_torch_mlu_ops
 
 
@@ -76,8 +77,14 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     return qk[:, :nq].reshape(t, -1), qk[:, nq:].reshape(t, -1)
 
 
+FLOAT_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # reshape_paged_cache's cache types
+
+
 def store_kv_cache_head_major(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                               slot_mapping: torch.Tensor) -> None:
+    if kv_cache.dtype not in FLOAT_CACHE_DTYPES or k.dtype != kv_cache.dtype:  # e.g. an fp8 cache
+        paged_cache.store_kv_cache_head_major(k, v, kv_cache, slot_mapping)
+        return
     tmo().reshape_paged_cache(k.contiguous(), v.contiguous(), kv_cache[0], kv_cache[1],
                               slot_mapping.to(torch.int32))
 

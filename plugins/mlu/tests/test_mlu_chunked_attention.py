@@ -4,7 +4,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from mlu_test_batches import context_slots, mixed_batch
 from pagoda import LLM, SamplingParams, kernels
 from pagoda.attention.torch_paged import TorchPagedAttention
 from pagoda.errors import ConfigError
@@ -13,6 +12,7 @@ from pagoda.interfaces import AttentionSpec
 from pagoda.kernels import get_op
 from pagoda.testing import hf_greedy_tokens, make_tiny_checkpoint, random_prompts
 from pagoda_mlu.chunked_attention import DEFAULT_TILE_SIZE, MluChunkedAttention
+from pagoda_mlu.synthetic import context_slots, mixed_batch
 
 BLOCK = 4
 NUM_BLOCKS = 64
@@ -181,3 +181,15 @@ def test_mla_matches_torch_mla_reference(tile_size):
         expected = TorchMLAAttention().forward_mla(layer, *args, ref_cache, meta)
         got = ours.forward_mla(layer, *args, our_cache, meta)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_fp8_kv_cache_matches_the_torch_backend(llama):
+    path, prompts, _ = llama
+    tokens = {}
+    for backend in ("torch", "mlu_chunked"):
+        llm = LLM(model=str(path), device="cpu", dtype="float32", attention_backend=backend, kv_cache_dtype="fp8",
+                  num_kv_blocks=40, block_size=8, max_model_len=72)
+        assert llm.engine.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+        outs = llm.generate(prompts[:3], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        tokens[backend] = [o.outputs[0].token_ids for o in outs]
+    assert tokens["mlu_chunked"] == tokens["torch"]

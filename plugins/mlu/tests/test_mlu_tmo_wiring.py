@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 from mlu_stand_ins import install_torch_mlu_ops
-from mlu_test_batches import context_slots, mixed_batch
 from pagoda import kernels
 from pagoda.attention.torch_paged import TorchPagedAttention
 from pagoda.forward_context import ForwardContext, set_forward_context
@@ -20,6 +19,7 @@ from pagoda.plugins import load_plugins
 from pagoda_mlu import plugin, tmo_kernels
 from pagoda_mlu.fused_attention import MluFusedAttention
 from pagoda_mlu.paged_cache import store_kv_cache_head_major
+from pagoda_mlu.synthetic import context_slots, mixed_batch
 
 
 @pytest.fixture
@@ -153,3 +153,15 @@ def test_fused_backend_supports(tmo, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "torch_mlu_ops", None)
     assert "torch_mlu_ops (Cambricon's fused kernels, shipped with its SDK) is not importable" in backend.supports(
         "mlu", "float16", spec)
+
+
+def test_fp8_caches_stay_on_the_torch_paths(tmo):
+    gen = torch.Generator().manual_seed(5)
+    k, v = torch.randn(4, 2, 8, generator=gen), torch.randn(4, 2, 8, generator=gen)
+    slots = torch.tensor([0, 9, -1, 30])
+    ours = torch.zeros(2, 8, 2, 4, 8, dtype=torch.float8_e4m3fn)
+    expected = torch.zeros_like(ours)
+    tmo_kernels.store_kv_cache_head_major(k, v, ours, slots)  # reshape_paged_cache takes no fp8 caches
+    store_kv_cache_head_major(k, v, expected, slots)
+    torch.testing.assert_close(ours.float(), expected.float())
+    assert tmo.calls == []

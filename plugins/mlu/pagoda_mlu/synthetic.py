@@ -1,4 +1,4 @@
-"""Hand-built mixed batches over random paged caches, for attention backend unit tests.
+"""Synthetic mixed batches over random paged caches, for backend checks (tests and the hardware check).
 
 A batch holds decodes first (one new token each), then prefill chunks, some continuing a
 cached context and some starting fresh, with block tables that scatter blocks over the cache.
@@ -61,3 +61,11 @@ def context_slots(batch: MixedBatch) -> torch.Tensor:
         for pos in range(c):
             slots.append(int(meta.block_tables[i, pos // bs]) * bs + pos % bs)
     return torch.tensor(slots, dtype=torch.int64)
+
+
+def metadata_on(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    """A copy of ``meta`` whose tensors live on ``device`` (host lists unchanged)."""
+    from dataclasses import replace
+
+    return replace(meta, query_start_loc=meta.query_start_loc.to(device), seq_lens=meta.seq_lens.to(device),
+                   block_tables=meta.block_tables.to(device), slot_mapping=meta.slot_mapping.to(device))
