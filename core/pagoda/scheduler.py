@@ -116,8 +116,9 @@ class Scheduler:
             (decodes if seq.num_tokens - seq.num_computed_tokens == 1 else prefills).append(item)
             budget -= num_new
 
-        # Waiting sequences, first come first served, while budget, seats and blocks last.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # Waiting sequences, first come first served, while budget, seats and blocks last. Not in a
+        # step that had to preempt: a sequence admitted now would only be preempted again.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
             if not self.bm.allocate_slots(seq, min(seq.num_tokens - seq.num_computed_tokens, budget)):
                 break
