@@ -136,3 +136,13 @@ def test_pagoda_plugins_command_lists_everything(site):
     text = subprocess.run([sys.executable, "-m", "pagoda.cli.main", "plugins"], env=env, capture_output=True,
                           text=True, check=True).stdout
     assert "FAILED" in text and "pagoda-dummy-plugin 1.2.3" in text
+
+
+def test_named_backend_applies_to_the_kinds_it_implements():
+    from pagoda.interfaces import AttentionSpec
+
+    reset_registry()
+    cpu = select_platform("cpu")
+    mla = AttentionSpec("mla", 4, 1, 48, 0.2, kv_lora_rank=32, qk_rope_head_dim=16)
+    chosen = select_attention_backend("torch", cpu, "float32", mla)  # torch is MHA-only
+    assert "mla" in chosen.kinds

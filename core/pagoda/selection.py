@@ -6,6 +6,7 @@ is missing, which distribution would provide it, and any plugin that failed to l
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -13,6 +14,8 @@ from pagoda.errors import ModelLoadError, PluginError
 from pagoda.interfaces import AttentionBackend, AttentionSpec, KVAllocator, Platform, Quantizer
 from pagoda.plugins import PluginRegistry, get_registry
 from pagoda.registry import KNOWN_PROVIDERS, MODELS_DISTRIBUTION, resolve_lazy
+
+logger = logging.getLogger("pagoda")
 
 
 def _hint(kind: str, name: str) -> str:
@@ -95,10 +98,17 @@ def select_attention_backend(name: str, platform: Platform, dtype: str, spec: At
                               f"{', '.join(reg.attention_backends.names())})."
                               f"{_hint('attention_backend', name)}" + reg.failure_note())
         backend = reg.attention_backends.get(name)
-        why = backend.supports(platform.name, dtype, spec)
-        if why is not None:
-            raise PluginError(f"attention_backend {name!r} cannot run this model: {why}")
-        return backend
+        if spec.kind in backend.kinds:
+            why = backend.supports(platform.name, dtype, spec)
+            if why is not None:
+                raise PluginError(f"attention_backend {name!r} cannot run this model: {why}")
+            return backend
+        # The named backend does not implement this kind at all (e.g. an MHA backend named for a
+        # model with MLA layers): that kind is chosen as with "auto".
+        chosen = select_attention_backend("auto", platform, dtype, spec, reg)
+        logger.info("attention_backend %r has no %s attention; using %r for those layers", name, spec.kind,
+                    chosen.name)
+        return chosen
     ranked = sorted(reg.attention_backends.entries.values(), key=lambda e: -e.obj.priority)
     reasons = []
     for entry in ranked:
