@@ -104,3 +104,15 @@ def test_pagoda_plugins_shows_mlu_unavailable_with_the_reason(no_torch_mlu, caps
     assert mlu["available"] is False and mlu["provider"] == "pagoda-mlu" and NO_TORCH_MLU in mlu["reason"]
     (plugin,) = [p for p in info["plugins"] if p["name"] == "mlu"]
     assert plugin["error"] is None and plugin["registered"]["register_allocators"] == ["mlu-pool"]
+
+
+def test_tile_size_from_the_command_line():
+    import argparse
+
+    from pagoda.cli.engine_args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--attention-backend", "mlu_chunked", "--attention-options", "{tile_size: 128}"])
+    config = engine_config_from_args(args)
+    assert (config.attention_backend, config.attention_options) == ("mlu_chunked", {"tile_size": 128})
