@@ -54,8 +54,11 @@ class ModelRunner:
         self.backends: dict[str, AttentionBackend] = {}
         for layer in self.attn_layers:
             if layer.spec.kind not in self.backends:
-                self.backends[layer.spec.kind] = select_attention_backend(
-                    config.attention_backend, platform, dtype, layer.spec).configure(config.attention_options)
+                backend = select_attention_backend(config.attention_backend, platform, dtype, layer.spec)
+                # attention_options belong to the named backend (or to whatever auto picks), not
+                # to a backend auto-picked for a kind the named one does not implement.
+                named = config.attention_backend in ("auto", backend.name)
+                self.backends[layer.spec.kind] = backend.configure(config.attention_options if named else {})
         self.sampler = Sampler(device, config.seed)
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
@@ -82,10 +85,16 @@ class ModelRunner:
     def kv_bytes_per_token(self) -> float:
         return self.bytes_per_block() / self.config.block_size
 
-    def allocate_kv_cache(self) -> int:
-        allocator = select_allocator(self.platform)
+    def available_kv_blocks(self) -> int:
+        """How many KV blocks the allocator fits in this device's budget."""
         self.platform.synchronize()
-        self.num_blocks = allocator.num_blocks(self.platform, max(1, self.bytes_per_block()), self.config)
+        return select_allocator(self.platform).num_blocks(self.platform, max(1, self.bytes_per_block()), self.config)
+
+    def allocate_kv_cache(self, num_blocks: int | None = None) -> int:
+        """Allocate ``num_blocks`` per layer (default: what fits; tensor-parallel ranks pass the
+        least any of them fits)."""
+        allocator = select_allocator(self.platform)
+        self.num_blocks = self.available_kv_blocks() if num_blocks is None else num_blocks
         shapes = [self._layer_shape(layer, self.num_blocks) for layer in self.attn_layers]
         self.kv_caches = allocator.allocate(shapes, self.kv_cache_dtype(), self.device)
         for layer, cache in zip(self.attn_layers, self.kv_caches):
@@ -128,6 +137,10 @@ class ModelRunner:
         with set_forward_context(self._context(inputs)):
             hidden = self.model(inputs.input_ids, inputs.positions)
             return self.model.compute_logits(hidden).float()
+
+    def forget(self, seq_id: int) -> None:
+        """A sequence finished or was aborted: drop its per-sequence state."""
+        self.sampler.forget(seq_id)
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture decode graphs where the platform and every backend allow it."""
