@@ -224,7 +224,8 @@ def _size(n: float) -> str:
     return f"{n:,.0f} B"
 
 
-def print_report(report: dict, shown: int, out=sys.stdout) -> None:
+def print_report(report: dict, shown: int, out=None) -> None:
+    out = out or sys.stdout
     o, m = report["overall"], report["memory"]
     print(f"quant-sim: {report['model']}", file=out)
     print(f"  policy: {report['policy']}; kv cache: {report['kv_cache_dtype']}; {report['num_prompts']} prompts, "

@@ -1,0 +1,82 @@
+"""FP8 KV cache (``kv_cache_dtype: fp8``): per-layer scales, from the checkpoint or 1.0, with
+the torch reference backend."""
+
+import pytest
+import torch
+from pagoda import LLM, SamplingParams
+from pagoda.kernels.reference import store_kv_cache
+from pagoda.testing import make_tiny_checkpoint, random_prompts
+from safetensors.torch import load_file, save_file
+
+TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256)
+ENGINE = dict(device="cpu", dtype="float32", num_kv_blocks=48, block_size=8)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"), seed=5, **TINY)
+
+
+def test_store_kv_cache_scales_and_saturates():
+    cache = torch.zeros(2, 3, 4, 2, 8, dtype=torch.float8_e4m3fn)  # [2, blocks, block_size, heads, head]
+    torch.manual_seed(0)
+    k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8) * 100
+    slots = torch.tensor([5, -1, 0])  # -1: padding, skipped
+    k_scale, v_scale = torch.tensor(0.01), torch.tensor(0.05)
+    store_kv_cache(k, v, cache, slots, k_scale, v_scale)
+    flat_k, flat_v = cache[0].view(-1, 2, 8).float(), cache[1].view(-1, 2, 8).float()
+    torch.testing.assert_close(flat_k[5], (k[0] / 0.01).clamp(-448, 448).to(torch.float8_e4m3fn).float())
+    assert float(flat_v[0].abs().max()) == 448.0  # |v| / 0.05 exceeds the fp8 range: saturated, not NaN
+    assert not bool(torch.isnan(cache.float()).any())
+    assert float(flat_k[1].abs().sum()) == 0.0  # the padding slot was not written
+
+
+def test_fp8_cache_halves_memory_and_stays_close(tiny):
+    full = LLM(model=str(tiny), **ENGINE)
+    fp8 = LLM(model=str(tiny), kv_cache_dtype="fp8", **ENGINE)
+    runner = fp8.engine.runner
+    assert all(c.dtype == torch.float8_e4m3fn for c in runner.kv_caches)
+    assert runner.bytes_per_block() * 4 == full.engine.runner.bytes_per_block()  # float32 -> 1 byte
+    assert all(float(layer.kv_scales["k_scale"]) == 1.0 for layer in runner.attn_layers)
+    for prompt in random_prompts(2, 320, 20, 40, seed=1):
+        want, got = full.prompt_logits(prompt), fp8.prompt_logits(prompt)
+        assert float((got - want).norm() / want.norm()) < 0.06
+    outs = fp8.generate(random_prompts(3, 320, 5, 20, seed=2), SamplingParams(temperature=0, max_tokens=8,
+                                                                              ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+
+
+def _with_scales(src, dst, tensors: dict) -> None:
+    dst.mkdir()
+    state = load_file(str(src / "model.safetensors"))
+    state.update(tensors)
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text((src / "config.json").read_text())
+
+
+def test_checkpoint_kv_scales_are_loaded_per_layer(tiny, tmp_path):
+    path = tmp_path / "scaled"
+    _with_scales(tiny, path, {
+        "model.layers.0.self_attn.k_scale": torch.tensor(0.02), "model.layers.0.self_attn.v_scale": torch.tensor(0.01),
+        # the older names: one scale for both, or the k/v projections' output scales
+        "model.layers.1.self_attn.kv_scale": torch.tensor([0.03]),
+        "model.layers.1.self_attn.v_proj.output_scale": torch.tensor(0.04)})
+    llm = LLM(model=str(path), kv_cache_dtype="fp8", **ENGINE)
+    scales = [{k: round(float(v), 6) for k, v in layer.kv_scales.items()} for layer in llm.engine.runner.attn_layers]
+    assert scales == [{"k_scale": 0.02, "v_scale": 0.01}, {"k_scale": 0.03, "v_scale": 0.04}]
+    full = LLM(model=str(tiny), **ENGINE)
+    prompt = random_prompts(1, 320, 30, 30, seed=3)[0]
+    want, got = full.prompt_logits(prompt), llm.prompt_logits(prompt)
+    assert float((got - want).norm() / want.norm()) < 0.06
+    # with a full-precision cache the scales are read and unused
+    assert LLM(model=str(path), **ENGINE).prompt_logits(prompt).allclose(want, atol=1e-5)
+
+
+def test_a_bad_kv_scale_tensor_is_named(tiny, tmp_path):
+    from pagoda.errors import ModelLoadError
+
+    path = tmp_path / "bad"
+    _with_scales(tiny, path, {"model.layers.0.self_attn.k_scale": torch.ones(4)})
+    with pytest.raises(ModelLoadError, match="model.layers.0.self_attn.k_scale.*one value"):
+        LLM(model=str(path), kv_cache_dtype="fp8", **ENGINE)
