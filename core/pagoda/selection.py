@@ -23,7 +23,7 @@ def _hint(kind: str, name: str) -> str:
     return f" It is provided by {dist} (pip install {dist})." if dist else ""
 
 
-ENV_SWITCH_PREFIX = "PAGODA_USE_"  # Platform.env_switch names start with this
+ENV_SWITCH_PREFIX = "PAGODA_USE_"  # Platform.env_switch names should start with this
 _SWITCH_ON = ("1", "true", "yes", "on")
 _SWITCH_OFF = ("", "0", "false", "no", "off")
 
@@ -37,9 +37,7 @@ def env_switched_platform(reg: PluginRegistry | None = None) -> Platform | None:
     reg = reg or get_registry()
     declared = {e.obj.env_switch: e.obj for e in reg.platforms.entries.values() if e.obj.env_switch}
     chosen: list[tuple[str, Platform]] = []
-    for var in sorted(os.environ):
-        if not var.startswith(ENV_SWITCH_PREFIX):
-            continue
+    for var in sorted(v for v in os.environ if v.startswith(ENV_SWITCH_PREFIX) or v in declared):
         value = os.environ[var].strip().lower()
         if value in _SWITCH_OFF:
             continue
