@@ -121,7 +121,8 @@ class AsyncEngine:
         self._commands: list[Callable[[], None]] = []
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._pending_adds = 0  # submitted, not yet applied by the engine thread
-        self._num_waiting = 0  # waiting requests after the last step (engine thread writes)
+        self._waiting_requests = 0  # requests with no running sequence (engine thread writes)
+        self._free_seats = engine.scheduler.max_num_seqs  # running-set seats left (engine thread writes)
         self._thread: threading.Thread | None = None
         self._stop = False
         self._closed = False  # the engine thread ended or is ending: adds are refused
@@ -152,22 +153,31 @@ class AsyncEngine:
         self.accepting = False
         if self._thread is None:
             return
-        deadline = time.monotonic() + drain_timeout
-        while time.monotonic() < deadline and self.num_unfinished() > 0:
-            await asyncio.sleep(0.05)
+        await self.drain(drain_timeout)
         with self._cond:
             self._stop = True
             self._cond.notify()
         thread, self._thread = self._thread, None
         await asyncio.to_thread(thread.join)
 
+    async def drain(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for in-flight requests to finish, then abort the rest:
+        their streams raise ``RequestAbortedError``, so responses can end cleanly."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.num_unfinished() > 0:
+            await asyncio.sleep(0.05)
+        if self.num_unfinished() > 0 and self._thread is not None and self._thread.is_alive():
+            await self.call(lambda engine: self._abort_streams(
+                RequestAbortedError("the server shut down before the request finished")))
+
     def num_unfinished(self) -> int:
         return len(self._streams) + self._pending_adds
 
     @property
     def num_waiting(self) -> int:
-        """Requests not yet running: submitted but not added, plus the engine's waiting queue."""
-        return self._pending_adds + self._num_waiting
+        """Requests that will have to wait for a seat: those submitted or waiting in the
+        engine, less the seats (``max_num_seqs``) still free in the running batch."""
+        return max(0, self._pending_adds + self._waiting_requests - self._free_seats)
 
     # ------------------------------------------------------------------ commands (any thread)
     def _submit(self, command: Callable[[], None]) -> None:
@@ -217,7 +227,7 @@ class AsyncEngine:
                 _resolve(loop, accepted, exc=exc)
                 return
             self._streams[rid] = stream
-            self._num_waiting += 1
+            self._count_waiting()
             _resolve(loop, accepted, result=None)
 
         with self._cond:
@@ -299,7 +309,7 @@ class AsyncEngine:
                 self._abort_all(RequestAbortedError("the server shut down before the request finished"))
                 return
             if not engine.has_unfinished_requests():
-                self._num_waiting = 0  # aborts may have emptied the queue without a step
+                self._count_waiting()  # aborts may have emptied the queue without a step
                 continue
             try:
                 outputs = engine.step()
@@ -316,13 +326,19 @@ class AsyncEngine:
                 if out.finished:
                     del self._streams[out.request_id]
                 stream._push(out)
-            # requests whose sequences all wait (a request with one running sequence has a seat)
-            self._num_waiting = len({s.request_id for s in engine.scheduler.waiting}
-                                    - {s.request_id for s in engine.scheduler.running})
+            self._count_waiting()
 
-    def _abort_all(self, exc: BaseException) -> None:
-        """End every stream with ``exc``; answer commands that arrive until the thread exits."""
-        self._closed = True
+    def _count_waiting(self) -> None:
+        """Snapshot for ``num_waiting`` (engine thread). A request with a running sequence has a seat."""
+        scheduler = self.engine.scheduler
+        waiting = {s.request_id for s in scheduler.waiting}
+        if waiting:
+            waiting -= {s.request_id for s in scheduler.running}
+        self._waiting_requests = len(waiting)
+        self._free_seats = max(0, scheduler.max_num_seqs - len(scheduler.running))
+
+    def _abort_streams(self, exc: BaseException) -> None:
+        """Abort every request in flight; its stream raises ``exc``. Engine thread only."""
         for rid, stream in list(self._streams.items()):
             try:
                 self.engine.abort_request(rid)
@@ -330,7 +346,12 @@ class AsyncEngine:
                 logger.exception("aborting %s failed", rid)
             stream._push(exc)
         self._streams.clear()
-        self._num_waiting = 0
+        self._count_waiting()
+
+    def _abort_all(self, exc: BaseException) -> None:
+        """End every stream with ``exc``; answer commands that arrive until the thread exits."""
+        self._closed = True
+        self._abort_streams(exc)
         with self._cond:
             commands, self._commands = self._commands, []
             self._thread_done = True

@@ -102,7 +102,17 @@ def load_server_config(config_file: str | None = None, **overrides: Any) -> Serv
         layers.append((str(config_file), read_serve_file(config_file)[1]))
     env = env_overrides(ServerConfig)
     if os.environ.get("PAGODA_API_KEY"):
-        env["api_keys"] = [*_as_list(env.get("api_keys")), os.environ["PAGODA_API_KEY"]]
+        env["api_key"] = os.environ["PAGODA_API_KEY"]
     layers.append(("environment (PAGODA_*)", env))
     layers.append(("arguments", {k: v for k, v in overrides.items() if v is not None}))
-    return build_config(ServerConfig, layers)
+    return build_config(ServerConfig, [(source, _merge_key_alias(values)) for source, values in layers])
+
+
+def _merge_key_alias(values: dict) -> dict:
+    """``api_key`` joins ``api_keys`` within one layer, so a later layer's keys replace it."""
+    if "api_key" not in values:
+        return values
+    values = dict(values)
+    key = values.pop("api_key")
+    values["api_keys"] = [*_as_list(values.get("api_keys")), *_as_list(key)]
+    return values

@@ -8,6 +8,7 @@ rest, stop the engine loop.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import socket
@@ -24,16 +25,27 @@ from pagoda.server.config import ServerConfig
 logger = logging.getLogger("pagoda.server")
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server, refusing new requests (503) from the moment shutdown begins."""
+# seconds uvicorn waits, after the engine aborted what was left, for those responses to end
+ABORT_GRACE = 2.0
 
-    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine):
+
+class _Server(uvicorn.Server):
+    """uvicorn's server; from the moment shutdown begins new requests are refused (503), and
+    requests still running after ``shutdown_timeout`` are aborted so that their responses
+    end properly (an error event, or a 503) before uvicorn closes the connections."""
+
+    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine, shutdown_timeout: float):
         super().__init__(config)
         self.async_engine = async_engine
+        self.shutdown_timeout = shutdown_timeout
 
     async def shutdown(self, sockets=None) -> None:
         self.async_engine.stop_accepting()
-        await super().shutdown(sockets=sockets)
+        drain = asyncio.ensure_future(self.async_engine.drain(self.shutdown_timeout))
+        try:
+            await super().shutdown(sockets=sockets)
+        finally:
+            drain.cancel()
 
 
 def build_app(engine_config: EngineConfig, server_config: ServerConfig):
@@ -49,8 +61,8 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig):
 def _uvicorn_server(app, config: ServerConfig, port: int | None = None) -> _Server:
     uv_config = uvicorn.Config(app, host=config.host, port=config.port if port is None else port,
                                log_level=logging.getLogger().getEffectiveLevel(), access_log=config.access_log,
-                               timeout_graceful_shutdown=config.shutdown_timeout, lifespan="on")
-    return _Server(uv_config, app.state.async_engine)
+                               timeout_graceful_shutdown=config.shutdown_timeout + ABORT_GRACE, lifespan="on")
+    return _Server(uv_config, app.state.async_engine, config.shutdown_timeout)
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -1,0 +1,252 @@
+"""``pagoda bench serve``: drive a running server over HTTP and report latency and throughput.
+
+Either a fixed ``--concurrency`` (that many requests in flight at all times) or a
+``--request-rate`` (Poisson arrivals, requests per second), for ``--num-requests`` requests or
+``--duration`` seconds, whichever ends first. Every request streams (so time to first token
+and time per output token are measured at the client) and asks for ``--max-tokens`` tokens
+with EOS ignored. Only servers on this machine (loopback) are accepted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import random
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from pagoda.errors import ConfigError
+
+WORDS = ("the of and to in is was for on that with as by at from his her they this which one all were when "
+         "river mountain city music light garden winter engine letter market window story question answer "
+         "morning silver doctor travel ocean history forest bridge village machine").split()
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="load a running server (OpenAI API) and report TTFT, TPOT, throughput")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (loopback only)")
+    p.add_argument("--api-key", default=None, help="bearer token, if the server requires one")
+    p.add_argument("--model", default=None, help="model name (default: the server's first model)")
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=int, default=None, help="requests in flight at once (default 8)")
+    load.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second")
+    p.add_argument("--num-requests", type=int, default=64, help="requests to send (at most)")
+    p.add_argument("--duration", type=float, default=None, help="stop sending after this many seconds")
+    p.add_argument("--prompt-len", type=int, default=32, help="words per prompt")
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (EOS ignored)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take")
+    p.add_argument("--seed", type=int, default=0, help="seed for prompts and arrival times")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=run)
+
+
+@dataclass
+class Result:
+    ok: bool
+    start: float
+    end: float
+    ttft: float | None = None
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Plan:
+    url: str
+    headers: dict
+    model: str
+    endpoint: str
+    prompts: list[str]
+    max_tokens: int
+    temperature: float
+    timeout: float
+    arrivals: list[float] | None = None  # seconds after start (rate mode)
+    concurrency: int | None = None
+    duration: float | None = None
+    results: list[Result] = field(default_factory=list)
+
+
+def check_loopback(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"--url {url!r}: expected http://HOST:PORT")
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(parts.hostname, parts.port or 80)}
+    except OSError as exc:
+        raise ConfigError(f"--url {url!r}: cannot resolve {parts.hostname}: {exc}") from exc
+    if not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses):
+        raise ConfigError(f"--url {url!r}: pagoda bench serve only drives servers on this machine (loopback "
+                          f"addresses such as 127.0.0.1 or localhost)")
+    return url.rstrip("/")
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None, "mean": None}
+    s = sorted(values)
+
+    def pct(q: float) -> float:  # linear interpolation between closest ranks
+        pos = (len(s) - 1) * q
+        lo = int(pos)
+        hi = min(lo + 1, len(s) - 1)
+        return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+    return {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "mean": sum(s) / len(s)}
+
+
+async def one_request(client, plan: Plan, prompt: str) -> Result:
+    body = {"model": plan.model, "max_tokens": plan.max_tokens, "temperature": plan.temperature, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    if plan.endpoint == "chat":
+        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
+    else:
+        path, body["prompt"] = "/v1/completions", prompt
+    start = time.perf_counter()
+    result = Result(ok=False, start=start, end=start)
+    try:
+        async with client.stream("POST", plan.url + path, json=body, headers=plan.headers,
+                                 timeout=plan.timeout) as response:
+            if response.status_code != 200:
+                await response.aread()
+                result.error = f"HTTP {response.status_code}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    result.error = f"stream error: {event['error'].get('type')}"
+                    return result
+                if result.ttft is None and _carries_token(event):
+                    result.ttft = time.perf_counter() - start
+                if event.get("usage"):
+                    result.output_tokens = event["usage"]["completion_tokens"]
+                    result.prompt_tokens = event["usage"]["prompt_tokens"]
+        result.ok = result.output_tokens > 0
+        if not result.ok:
+            result.error = "no usage in the stream"
+    except Exception as exc:  # connection refused, timeout ...
+        result.error = type(exc).__name__
+    finally:
+        result.end = time.perf_counter()
+    return result
+
+
+def _carries_token(event: dict) -> bool:
+    for choice in event.get("choices") or []:
+        delta = choice.get("delta")
+        if delta is None or delta.get("content") or choice.get("logprobs") or choice.get("finish_reason"):
+            return True  # completions chunks carry a token each; chat's first chunk is only the role
+    return False
+
+
+async def drive(plan: Plan) -> float:
+    import httpx
+
+    limit = plan.concurrency or len(plan.prompts)
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=limit + 4)) as client:
+        t0 = time.perf_counter()
+        stop_at = None if plan.duration is None else t0 + plan.duration
+        if plan.concurrency:
+            queue = iter(plan.prompts)
+
+            async def worker() -> None:
+                for prompt in queue:
+                    if stop_at is not None and time.perf_counter() >= stop_at:
+                        return
+                    plan.results.append(await one_request(client, plan, prompt))
+
+            await asyncio.gather(*(worker() for _ in range(plan.concurrency)))
+        else:
+            tasks = []
+            for prompt, at in zip(plan.prompts, plan.arrivals or []):
+                delay = t0 + at - time.perf_counter()
+                if stop_at is not None and t0 + at >= stop_at:
+                    break
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.ensure_future(one_request(client, plan, prompt)))
+            plan.results.extend(await asyncio.gather(*tasks))
+        return time.perf_counter() - t0
+
+
+def report(plan: Plan, wall: float) -> dict:
+    ok = [r for r in plan.results if r.ok]
+    errors: dict[str, int] = {}
+    for r in plan.results:
+        if not r.ok:
+            errors[r.error or "unknown"] = errors.get(r.error or "unknown", 0) + 1
+    out_tokens = sum(r.output_tokens for r in ok)
+    tpot = [(r.end - r.start - r.ttft) / (r.output_tokens - 1)
+            for r in ok if r.ttft is not None and r.output_tokens > 1]
+    ms = lambda d: {k: (None if v is None else round(v * 1000, 3)) for k, v in d.items()}  # noqa: E731
+    return {
+        "model": plan.model, "endpoint": plan.endpoint, "url": plan.url,
+        "mode": f"concurrency {plan.concurrency}" if plan.concurrency else f"rate {len(plan.arrivals or [])} req",
+        "requests": len(plan.results), "completed": len(ok), "errors": errors, "duration_s": round(wall, 3),
+        "request_throughput": round(len(ok) / wall, 3) if wall > 0 else None,
+        "output_tokens": out_tokens, "output_tokens_per_s": round(out_tokens / wall, 2) if wall > 0 else None,
+        "prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "ttft_ms": ms(percentiles([r.ttft for r in ok if r.ttft is not None])),
+        "tpot_ms": ms(percentiles(tpot)),
+        "e2e_ms": ms(percentiles([r.end - r.start for r in ok])),
+    }
+
+
+def build_plan(args) -> Plan:
+    import httpx
+
+    url = check_loopback(args.url)
+    for name in ("num_requests", "prompt_len", "max_tokens"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    model = args.model
+    if model is None:
+        try:
+            r = httpx.get(url + "/v1/models", headers=headers, timeout=10)
+        except httpx.HTTPError as exc:
+            raise ConfigError(f"--url {url}: no server answers there ({type(exc).__name__})") from exc
+        if r.status_code != 200:
+            raise ConfigError(f"{url}/v1/models answered {r.status_code}: {r.text[:200]}")
+        model = r.json()["data"][0]["id"]
+    rng = random.Random(args.seed)
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(args.prompt_len)) for _ in range(args.num_requests)]
+    plan = Plan(url, headers, model, args.endpoint, prompts, args.max_tokens, args.temperature, args.timeout,
+                duration=args.duration)
+    if args.request_rate is not None:
+        if args.request_rate <= 0:
+            raise ConfigError("--request-rate must be > 0")
+        t, plan.arrivals = 0.0, []
+        for _ in prompts:
+            plan.arrivals.append(t)
+            t += rng.expovariate(args.request_rate)
+    else:
+        plan.concurrency = args.concurrency or 8
+        if plan.concurrency < 1:
+            raise ConfigError("--concurrency must be >= 1")
+    return plan
+
+
+def run(args) -> int:
+    plan = build_plan(args)
+    wall = asyncio.run(drive(plan))
+    rep = report(plan, wall)
+    if args.json:
+        print(json.dumps(rep, indent=2))
+    else:
+        print(f"{rep['completed']}/{rep['requests']} requests to {rep['model']} ({rep['mode']}) in "
+              f"{rep['duration_s']:.2f}s: {rep['request_throughput']} req/s, {rep['output_tokens_per_s']} output tok/s")
+        for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
+            v = rep[key]
+            print(f"  {key[:-3].upper():<5} ms  p50 {v['p50']}  p90 {v['p90']}  p99 {v['p99']}")
+        if rep["errors"]:
+            print(f"  errors: {rep['errors']}", file=sys.stderr)
+    return 0 if rep["completed"] == rep["requests"] else 1
