@@ -1,0 +1,1 @@
+"""Triton attention backends: paged MHA/GQA (and MLA decode over the latent cache)."""

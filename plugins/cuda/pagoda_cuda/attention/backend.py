@@ -1,0 +1,101 @@
+"""The ``triton`` attention backend: paged attention for mixed prefill + decode batches.
+
+Per layer call: store the new K/V (slots < 0 skipped), run the decode kernel over the
+first ``num_decodes`` rows (split along the context when the batch is small), then the
+prefill kernel over the chunks. Decode-only batches may be captured in a CUDA graph:
+with ``meta.for_graph`` only tensors of ``meta`` are read, and the split count comes from
+the (static) batch size.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagoda.interfaces import AttentionBackend, AttentionSpec
+
+
+@dataclass
+class TritonStepData:
+    """Per-step data shared by every layer (``meta.backend_data``)."""
+
+    num_splits: dict[int, int] = field(default_factory=dict)  # num_kv_heads -> decode splits
+    tile_maps: dict[int, Any] = field(default_factory=dict)  # BLOCK_M -> device tile map
+
+
+class TritonPagedAttention(AttentionBackend):
+    name = "triton"
+    priority = 10
+    platforms = ("cuda", "cpu")  # cpu only under TRITON_INTERPRET=1 (tests)
+    auto_platforms = ("cuda",)  # on cpu only when named: attention_backend: triton
+    kinds = ("mha",)
+    dtypes = ("float32", "float16", "bfloat16")
+    supports_graphs = True
+    min_head_size, max_head_size = 16, 256
+
+    def supports(self, platform: str, dtype: str, spec: AttentionSpec) -> str | None:
+        why = super().supports(platform, dtype, spec)
+        if why is not None:
+            return why
+        if platform == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            return "runs on cpu only under the Triton interpreter (TRITON_INTERPRET=1)"
+        if importlib.util.find_spec("triton") is None:
+            return "needs the triton package (pip install triton)"
+        if not self.min_head_size <= spec.head_size <= self.max_head_size:
+            return f"supports head sizes {self.min_head_size}-{self.max_head_size}, not {spec.head_size}"
+        if spec.num_heads % spec.num_kv_heads:
+            return f"num_heads {spec.num_heads} is not a multiple of num_kv_heads {spec.num_kv_heads}"
+        return None
+
+    def prepare(self, meta) -> TritonStepData:
+        return TritonStepData()
+
+    def _splits(self, meta, data: TritonStepData, num_kv_heads: int, device) -> int:
+        splits = data.num_splits.get(num_kv_heads)
+        if splits is None:
+            from pagoda_cuda.attention.decode import choose_splits
+
+            splits = choose_splits(meta.num_decodes, num_kv_heads, meta.max_seq_len, device)
+            data.num_splits[num_kv_heads] = splits
+        return splits
+
+    def _tile_map(self, meta, data: TritonStepData, block_m: int, device):
+        tiles = data.tile_maps.get(block_m)
+        if tiles is None:
+            import torch
+
+            from pagoda_cuda.attention.prefill import build_tile_map
+
+            host = build_tile_map(meta.query_start_loc_cpu, meta.num_decodes, block_m)
+            tiles = torch.from_numpy(host).to(device, non_blocking=True)
+            data.tile_maps[block_m] = tiles
+        return tiles
+
+    def forward(self, layer, q, k, v, kv_cache, meta):
+        import torch
+
+        from pagoda_cuda.attention.decode import paged_decode
+        from pagoda_cuda.attention.prefill import paged_prefill, prefill_config
+        from pagoda_cuda.ops.kv_store import store_kv_cache
+
+        spec = layer.spec
+        t = q.shape[0]
+        nq, nk, hs = spec.num_heads, spec.num_kv_heads, spec.head_size
+        q3, k3, v3 = q.view(t, nq, hs), k.view(t, nk, hs), v.view(t, nk, hs)
+        store_kv_cache(k3, v3, kv_cache, meta.slot_mapping[:t])
+        out = torch.empty((t, nq, hs), dtype=q.dtype, device=q.device)
+        data = meta.backend_data if isinstance(meta.backend_data, TritonStepData) else TritonStepData()
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        nd = meta.num_decodes
+        if nd:
+            paged_decode(q3[:nd], k_cache, v_cache, meta.block_tables, meta.seq_lens, out[:nd], spec.scale,
+                         self._splits(meta, data, nk, q.device), spec.sliding_window, spec.logits_soft_cap)
+        if meta.num_seqs > nd:
+            if meta.for_graph:
+                raise RuntimeError("the triton backend captures decode-only batches; this one has prefills")
+            tiles = self._tile_map(meta, data, prefill_config(hs)[0], q.device)
+            paged_prefill(q3, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, tiles,
+                          out, spec.scale, spec.sliding_window, spec.logits_soft_cap)
+        return out.view(t, nq * hs)

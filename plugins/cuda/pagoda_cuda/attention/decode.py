@@ -1,0 +1,184 @@
+"""Paged decode attention (one query token per sequence), split along the context.
+
+One program per (sequence, KV head, split): it loads the query rows of every query head
+that shares the KV head (GQA group, padded to 16 rows for the matrix units) and streams
+that head's K and V pages once, so each cached byte is read once per step. With
+``num_splits > 1`` each program covers one slice of the context and writes a partial
+result plus its log-sum-exp; a second kernel merges the slices. The split count depends
+only on the batch size (and a length hint), never on device values, so the launch can
+be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagoda_cuda._triton import interpreting, next_pow2, sm_count
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
+
+
+@triton.jit
+def _decode_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, stride_cs, stride_ch,
+                   tables_ptr, stride_tb, stride_tn, seq_lens_ptr, out_ptr, stride_ot, stride_oh,
+                   part_out_ptr, part_lse_ptr, scale, soft_cap, window,
+                   GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   USE_WINDOW: tl.constexpr, USE_CAP: tl.constexpr, UPCAST: tl.constexpr,
+                   IEEE: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    lo = 0
+    if USE_WINDOW:  # the query (position seq_len - 1) sees keys > seq_len - 1 - window
+        lo = tl.maximum(seq_len - window, 0)
+    span = seq_len - lo
+    per_split = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    rows = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    hmask = rows < GROUP
+    dmask = d < HEAD
+    heads = kvh * GROUP + rows
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=hmask[:, None] & dmask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    qk_scale = scale * 1.4426950408889634  # exp2 domain
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    table_row = tables_ptr + b.to(tl.int64) * stride_tb
+    head_off = kvh.to(tl.int64) * stride_ch
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nmask = n < end
+        page = tl.load(table_row + (n // PAGE) * stride_tn, mask=nmask, other=0).to(tl.int64)
+        off = page * stride_cb + (n % PAGE).to(tl.int64) * stride_cs + head_off
+        kvmask = nmask[:, None] & dmask[None, :]
+        k = tl.load(k_cache + off[:, None] + d[None, :], mask=kvmask, other=0.0)
+        v = tl.load(v_cache + off[:, None] + d[None, :], mask=kvmask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        else:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        if USE_CAP:
+            s = soft_cap * _tanh(s * scale / soft_cap) * 1.4426950408889634
+        else:
+            s = s * qk_scale
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if UPCAST:
+            pv = tl.dot(p, v)
+        elif IEEE:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + b.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
+    else:
+        # partials [B, num_heads, NUM_SPLITS, BLOCK_D] and lse [B, num_heads, NUM_SPLITS] (log2 domain)
+        num_heads = tl.num_programs(1) * GROUP
+        base = (b.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
+        empty = l_i == 0.0
+        safe_l = tl.where(empty, 1.0, l_i)
+        out = acc / safe_l[:, None]
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(safe_l))
+        tl.store(part_out_ptr + base[:, None] * BLOCK_D + d[None, :], out, mask=hmask[:, None] & dmask[None, :])
+        tl.store(part_lse_ptr + base, lse, mask=hmask)
+
+
+@triton.jit
+def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh,
+                  HEAD: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    smask = s < NUM_SPLITS
+    base = (b * num_heads + h) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + s, mask=smask, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    w = tl.where(smask & (lse > float("-inf")), tl.exp2(lse - top), 0.0)
+    parts = tl.load(part_out_ptr + (base + s)[:, None] * BLOCK_D + d[None, :], mask=smask[:, None], other=0.0)
+    out = tl.sum(parts * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD)
+
+
+def choose_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Enough programs to fill the GPU (about four per multiprocessor), at least 256 tokens
+    per split, at most 64 splits; 1 (no merge pass) once the batch alone fills the GPU."""
+    programs = max(1, num_seqs * num_kv_heads)
+    target = 4 * sm_count(device)
+    if programs >= target:
+        return 1
+    splits = min(-(-target // programs), max(1, -(-max_seq_len // 256)), 64)
+    return max(1, next_pow2(splits) if splits > 1 else 1)
+
+
+def decode_config(head: int, group: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for a head size and GQA group."""
+    block_d = next_pow2(head)
+    if block_d >= 256:
+        return 32, 4, 2
+    if group > 8:
+        return 32, 4, 2
+    return 64, 4, 3
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, out: torch.Tensor, scale: float, num_splits: int,
+                 sliding_window: int | None = None, soft_cap: float | None = None) -> None:
+    """q [B, nq, D] (one token per sequence), caches [num_blocks, block_size, nk, D],
+    block_tables [B, W] (any strides), seq_lens [B] int32 -> out [B, nq, D]."""
+    b, nq, head = q.shape
+    if b == 0:
+        return
+    nk, page = k_cache.shape[2], k_cache.shape[1]
+    group = nq // nk
+    block_h = max(16, next_pow2(group))
+    block_d = max(16, next_pow2(head))
+    block_n, num_warps, num_stages = decode_config(head, group)
+    upcast = interpreting()
+    ieee = q.dtype == torch.float32
+    common = dict(GROUP=group, BLOCK_H=block_h, HEAD=head, BLOCK_D=block_d, BLOCK_N=block_n, PAGE=page,
+                  NUM_SPLITS=num_splits, USE_WINDOW=bool(sliding_window), USE_CAP=bool(soft_cap),
+                  UPCAST=upcast, IEEE=ieee, num_warps=num_warps, num_stages=num_stages)
+    if num_splits > 1:
+        part_out = torch.empty((b, nq, num_splits, block_d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((b, nq, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    _decode_kernel[(b, nk, num_splits)](
+        q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables, block_tables.stride(0), block_tables.stride(1), seq_lens, out, out.stride(0), out.stride(1),
+        part_out, part_lse, float(scale), float(soft_cap or 0.0), int(sliding_window or 0), **common)
+    if num_splits > 1:
+        _merge_kernel[(b, nq)](part_out, part_lse, out, out.stride(0), out.stride(1), HEAD=head, BLOCK_D=block_d,
+                               NUM_SPLITS=num_splits, BLOCK_S=max(2, next_pow2(num_splits)), num_warps=4)

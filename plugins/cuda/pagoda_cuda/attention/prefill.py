@@ -1,0 +1,145 @@
+"""Paged attention for prefill chunks: causal within the chunk, full over the cached prefix.
+
+A chunk of ``q_len`` new tokens of a sequence whose cache holds ``seq_len`` tokens
+(its own K/V already stored) starts at position ``ctx = seq_len - q_len``; query ``i``
+sees keys ``0 .. ctx + i`` (and, with a sliding window, only the last ``window`` of them).
+One program per (tile of BLOCK_M query tokens of one sequence, query head); the tiles are
+listed on the host (``tile_map``: sequence index, first query token of the tile).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from pagoda_cuda._triton import interpreting, next_pow2
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, stride_cs, stride_ch,
+                    tables_ptr, stride_tb, stride_tn, seq_lens_ptr, qsl_ptr, tile_map_ptr,
+                    out_ptr, stride_ot, stride_oh, scale, soft_cap, window,
+                    GROUP: tl.constexpr, HEAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, USE_WINDOW: tl.constexpr,
+                    USE_CAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // GROUP
+    seq = tl.load(tile_map_ptr + 2 * tile)
+    m0 = tl.load(tile_map_ptr + 2 * tile + 1)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx = seq_len - q_len
+
+    m = m0 + tl.arange(0, BLOCK_M)
+    mmask = m < q_len
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD
+    rows = (q_start + m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=mmask[:, None] & dmask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    qpos = ctx + m  # absolute position of each query
+
+    hi = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(ctx + m0 - window + 1, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    table_row = tables_ptr + seq.to(tl.int64) * stride_tb
+    head_off = kvh.to(tl.int64) * stride_ch
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nmask = n < hi
+        page = tl.load(table_row + (n // PAGE) * stride_tn, mask=nmask, other=0).to(tl.int64)
+        off = page * stride_cb + (n % PAGE).to(tl.int64) * stride_cs + head_off
+        kvmask = nmask[:, None] & dmask[None, :]
+        k = tl.load(k_cache + off[:, None] + d[None, :], mask=kvmask, other=0.0)
+        v = tl.load(v_cache + off[:, None] + d[None, :], mask=kvmask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        else:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        if USE_CAP:
+            s = soft_cap * _tanh(s * scale / soft_cap) * 1.4426950408889634
+        else:
+            s = s * (scale * 1.4426950408889634)
+        allowed = nmask[None, :] & (n[None, :] <= qpos[:, None])
+        if USE_WINDOW:
+            allowed = allowed & (n[None, :] > qpos[:, None] - window)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if UPCAST:
+            pv = tl.dot(p, v)
+        elif IEEE:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=mmask[:, None] & dmask[None, :])
+
+
+def prefill_config(head: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a head size."""
+    if next_pow2(head) >= 256:
+        return 64, 32, 8, 2
+    return 64, 64, 4, 2
+
+
+def build_tile_map(query_start_loc: list[int], first_seq: int, block_m: int) -> np.ndarray:
+    """[(sequence index, first query token)] for every BLOCK_M tile of sequences
+    ``first_seq..``, as an int32 array [num_tiles, 2]."""
+    qsl = np.asarray(query_start_loc, dtype=np.int64)
+    lens = qsl[first_seq + 1:] - qsl[first_seq:-1]
+    tiles = -(-lens // block_m)
+    seqs = np.repeat(np.arange(first_seq, first_seq + len(lens)), tiles)
+    first = np.repeat(np.cumsum(tiles) - tiles, tiles)
+    starts = (np.arange(len(seqs)) - first) * block_m
+    return np.stack([seqs, starts], axis=1).astype(np.int32)
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, tile_map: torch.Tensor,
+                  out: torch.Tensor, scale: float, sliding_window: int | None = None,
+                  soft_cap: float | None = None) -> None:
+    """q/out [T, nq, D] over the whole batch (rows addressed through query_start_loc);
+    tile_map [num_tiles, 2] int32 from ``build_tile_map`` with the same BLOCK_M."""
+    num_tiles = tile_map.shape[0]
+    if num_tiles == 0:
+        return
+    _, nq, head = q.shape
+    nk, page = k_cache.shape[2], k_cache.shape[1]
+    block_m, block_n, num_warps, num_stages = prefill_config(head)
+    _prefill_kernel[(num_tiles, nq)](
+        q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables, block_tables.stride(0), block_tables.stride(1), seq_lens, query_start_loc, tile_map,
+        out, out.stride(0), out.stride(1), float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
+        GROUP=nq // nk, HEAD=head, BLOCK_D=max(16, next_pow2(head)), BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
+        USE_WINDOW=bool(sliding_window), USE_CAP=bool(soft_cap), UPCAST=interpreting(),
+        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)

@@ -1,0 +1,1 @@
+"""Triton implementations of the core kernel ops (signatures: pagoda.kernels.reference)."""

@@ -1,0 +1,191 @@
+"""Fused mixture-of-experts: (token, expert) pairs grouped by expert, one grouped GEMM launch
+per projection, routing weights applied, the top-k results summed.
+
+1. ``align``: on the device (no host sync, so graph-capturable), sort the T*K pairs by expert
+   and pad each expert's run to a multiple of BLOCK_M; every BLOCK_M block of the sorted list
+   belongs to one expert (``block_expert``; E for blocks past the end).
+2. gate/up: one launch; each program multiplies BLOCK_M gathered token rows by BLOCK_N rows of
+   the expert's gate and up weights and writes ``act(gate) * up`` [padded rows, I].
+3. down: one launch; the same blocks times the expert's down weight, scaled by each pair's
+   routing weight, written per pair [T*K, H].
+4. combine: per token, the sum over its K pairs (ids outside [0, E) contribute nothing).
+
+Rounding follows ``pagoda.kernels.reference.fused_moe``: each GEMM result is rounded to the
+activation dtype, as are the activation and the weighted product; the top-k sum is in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagoda_cuda._triton import interpreting, next_pow2
+
+
+@triton.jit
+def _gate_up_kernel(h_ptr, stride_ht, w_ptr, stride_we, stride_wn, out_ptr, stride_ot, pairs_ptr,
+                    block_expert_ptr, num_pairs, num_experts, H, inner,
+                    TOPK: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= num_experts:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pairs_ptr + rows)
+    rmask = pair < num_pairs
+    token = (pair // TOPK).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < inner
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < H
+        a = tl.load(h_ptr + token[:, None] * stride_ht + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        wmask = kmask[:, None] & nmask[None, :]
+        wg = tl.load(w_base + n[None, :].to(tl.int64) * stride_wn + k[:, None], mask=wmask, other=0.0)
+        wu = tl.load(w_base + (inner + n)[None, :].to(tl.int64) * stride_wn + k[:, None], mask=wmask, other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            wg = wg.to(tl.float32)
+            wu = wu.to(tl.float32)
+        acc_gate += tl.dot(a, wg)
+        acc_up += tl.dot(a, wu)
+    dtype = out_ptr.dtype.element_ty
+    gate = acc_gate.to(dtype).to(tl.float32)
+    up = acc_up.to(dtype).to(tl.float32)
+    if ACT == "silu":
+        act = gate / (1.0 + tl.exp(-gate))
+    else:  # gelu, tanh approximation
+        inner_t = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        act = 0.5 * gate * (2.0 / (1.0 + tl.exp(-2.0 * inner_t)))
+    act = act.to(dtype).to(tl.float32)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + n[None, :], (act * up).to(dtype),
+             mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _down_kernel(x_ptr, stride_xt, w_ptr, stride_we, stride_wn, out_ptr, stride_ot, pairs_ptr, block_expert_ptr,
+                 weights_ptr, num_pairs, num_experts, H, inner,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= num_experts:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pairs_ptr + rows)
+    rmask = pair < num_pairs
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < H
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inner, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < inner
+        a = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xt + k[None, :],
+                    mask=rmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_base + n[None, :].to(tl.int64) * stride_wn + k[:, None],
+                    mask=kmask[:, None] & nmask[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc += tl.dot(a, w)
+    dtype = out_ptr.dtype.element_ty
+    route = tl.load(weights_ptr + pair, mask=rmask, other=0.0).to(dtype).to(tl.float32)
+    y = acc.to(dtype).to(tl.float32) * route[:, None]
+    tl.store(out_ptr + pair[:, None].to(tl.int64) * stride_ot + n[None, :], y.to(dtype),
+             mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _combine_kernel(pairs_out_ptr, ids_ptr, out_ptr, H, num_experts, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cmask = cols < H
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in range(TOPK):
+        e = tl.load(ids_ptr + t * TOPK + j)
+        valid = (e >= 0) & (e < num_experts)
+        acc += tl.load(pairs_out_ptr + (t * TOPK + j) * H + cols, mask=cmask & valid, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(sorted pair ids [max_blocks*block_m] padded with num_pairs, expert of each block
+    [max_blocks] (num_experts past the end), max_blocks). Device ops only, no host sync."""
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).long()
+    num_pairs = flat.numel()
+    max_blocks = -(-num_pairs // block_m) + num_experts
+    key = torch.where((flat >= 0) & (flat < num_experts), flat, torch.full_like(flat, num_experts))
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    blocks = (counts + block_m - 1) // block_m
+    blocks[num_experts] = 0  # invalid pairs get no block
+    block_end = torch.cumsum(blocks, 0)
+    block_start = block_end - blocks
+    order = torch.argsort(key, stable=True)
+    sorted_key = key.index_select(0, order)
+    run_start = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(num_pairs, device=device) - run_start.index_select(0, sorted_key)
+    dest = block_start.index_select(0, sorted_key) * block_m + rank
+    dummy = max_blocks * block_m  # invalid pairs land in one extra slot, cut off below
+    dest = torch.where(sorted_key < num_experts, dest, torch.full_like(dest, dummy))
+    pairs = torch.full((dummy + 1,), num_pairs, dtype=torch.int32, device=device)
+    pairs.scatter_(0, dest, order.to(torch.int32))
+    block_ids = torch.arange(max_blocks, device=device)
+    block_expert = torch.searchsorted(block_end[:num_experts].contiguous(), block_ids, right=True).to(torch.int32)
+    return pairs[:dummy], block_expert, max_blocks
+
+
+def moe_config(num_pairs: int, num_experts: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) from the mean pairs per expert."""
+    per_expert = num_pairs / max(1, num_experts)
+    if per_expert <= 16:
+        return 16, 64, 128, 4, 4
+    if per_expert <= 48:
+        return 32, 64, 128, 4, 4
+    if per_expert <= 160:
+        return 64, 64, 64, 4, 4
+    return 64, 128, 64, 8, 3
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """hidden [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, K]; topk_ids [T, K] -> [T, H]."""
+    if activation not in ("silu", "gelu_tanh"):
+        raise ValueError(f"fused_moe: activation {activation!r} is not supported (silu, gelu_tanh)")
+    t, h = hidden.shape
+    num_experts, two_inner, _ = w13.shape
+    inner = two_inner // 2
+    topk = topk_ids.shape[1]
+    out = torch.empty((t, h), dtype=hidden.dtype, device=hidden.device)
+    if t == 0:
+        return out
+    hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    w13 = w13 if w13.is_contiguous() else w13.contiguous()
+    w2 = w2 if w2.is_contiguous() else w2.contiguous()
+    num_pairs = t * topk
+    block_m, block_n, block_k, num_warps, num_stages = moe_config(num_pairs, num_experts)
+    block_k = min(block_k, max(16, next_pow2(min(h, inner))))
+    pairs, block_expert, max_blocks = align(topk_ids, num_experts, block_m)
+    upcast = interpreting()
+    act = torch.empty((max_blocks * block_m, inner), dtype=hidden.dtype, device=hidden.device)
+    _gate_up_kernel[(max_blocks, triton.cdiv(inner, block_n))](
+        hidden, hidden.stride(0), w13, w13.stride(0), w13.stride(1), act, act.stride(0), pairs, block_expert,
+        num_pairs, num_experts, h, inner, TOPK=topk, ACT="silu" if activation == "silu" else "gelu",
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, num_warps=num_warps,
+        num_stages=num_stages)
+    per_pair = torch.empty((num_pairs, h), dtype=hidden.dtype, device=hidden.device)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    _down_kernel[(max_blocks, triton.cdiv(h, block_n))](
+        act, act.stride(0), w2, w2.stride(0), w2.stride(1), per_pair, per_pair.stride(0), pairs, block_expert,
+        weights, num_pairs, num_experts, h, inner, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        UPCAST=upcast, num_warps=num_warps, num_stages=num_stages)
+    ids = topk_ids.reshape(-1).contiguous()
+    _combine_kernel[(t, triton.cdiv(h, 1024))](per_pair, ids, out, h, num_experts, TOPK=topk, BLOCK=1024,
+                                               num_warps=4)
+    return out

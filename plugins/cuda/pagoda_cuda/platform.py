@@ -1,0 +1,121 @@
+"""The CUDA platform: device queries, NCCL, bf16 by default, and CUDA graph capture.
+
+torch is imported inside the methods, so registering the platform costs nothing and a
+machine without CUDA gets a reason instead of an import error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pagoda.interfaces import CapturedGraph, Platform
+
+
+class CudaGraph(CapturedGraph):
+    """One captured ``torch.cuda.CUDAGraph``; ``output`` is what the captured function
+    returned, living in the graph's memory pool and rewritten by every ``replay()``."""
+
+    def __init__(self, graph: Any, output: Any):
+        self.graph = graph
+        self.output = output
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class CudaPlatform(Platform):
+    name = "cuda"
+    device_type = "cuda"
+    priority = 10  # above the CPU: device "auto" takes a GPU when one is usable
+    dist_backend = "nccl"
+    default_dtype = "bfloat16"
+    supports_graphs = True
+
+    def __init__(self) -> None:
+        self._pool = None
+
+    def unavailable_reason(self) -> str | None:
+        try:
+            import torch
+        except ImportError as exc:  # pragma: no cover - torch is a core dependency
+            return f"torch cannot be imported: {exc}"
+        if torch.version.cuda is None:
+            return (f"the installed torch {torch.__version__} was built without CUDA "
+                    f"(install a CUDA build of torch)")
+        if not torch.cuda.is_available():
+            import os
+
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            hint = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+            return f"torch {torch.__version__} sees no CUDA device{hint}: no GPU, or no working driver"
+        return None
+
+    def dtype_unsupported_reason(self, dtype: str) -> str | None:
+        if dtype != "bfloat16" or self.unavailable_reason() is not None:
+            return None
+        import torch
+
+        major, minor = torch.cuda.get_device_capability()
+        if major < 8:
+            return (f"bfloat16 needs compute capability 8.0 or newer; this GPU has {major}.{minor} "
+                    f"(use dtype float16)")
+        return None
+
+    def device_count(self) -> int:
+        import torch
+
+        return torch.cuda.device_count()
+
+    def set_device(self, index: int) -> None:
+        import torch
+
+        torch.cuda.set_device(index)
+
+    def memory_info(self) -> tuple[int, int]:
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        return int(free), int(total)
+
+    def synchronize(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+
+    def empty_cache(self) -> None:
+        import torch
+
+        torch.cuda.empty_cache()
+
+    def graph_pool(self) -> Any:
+        """One memory pool shared by every graph this process captures (decode buckets are
+        captured largest first, so smaller ones reuse the largest one's memory)."""
+        import torch
+
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
+    def capture_graph(self, fn: Callable[[], Any], pool: Any = None) -> CudaGraph:
+        """Capture ``fn`` (already run once or twice by the caller, so lazy initialisation
+        and kernel compilation happened outside the capture)."""
+        import torch
+
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, pool=pool if pool is not None else self.graph_pool()):
+            output = fn()
+        torch.cuda.synchronize()
+        return CudaGraph(graph, output)
+
+    def describe(self) -> str:
+        reason = self.unavailable_reason()
+        if reason is not None:
+            return f"cuda (unavailable: {reason})"
+        import torch
+
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return (f"cuda: {props.name} ({props.multi_processor_count} SMs, "
+                f"{props.total_memory / (1 << 30):.0f} GiB, compute capability {props.major}.{props.minor}; "
+                f"{torch.cuda.device_count()} device(s))")

@@ -1,0 +1,42 @@
+"""Entry point of pagoda-cuda: the CUDA platform, Triton attention and Triton kernel ops.
+
+Nothing heavy is imported here: kernels are registered as ``"module:function"`` strings
+(imported when an engine on the CUDA platform first asks for the op), and the platform and
+backend objects import torch/triton inside their methods.
+"""
+
+from __future__ import annotations
+
+from pagoda import hookimpl
+
+# op name -> implementation, for the "cuda" platform (signatures: pagoda.kernels.reference)
+KERNELS = {
+    "rms_norm": "pagoda_cuda.ops.norm:rms_norm",
+    "fused_add_rms_norm": "pagoda_cuda.ops.norm:fused_add_rms_norm",
+    "rotary_embedding": "pagoda_cuda.ops.rotary:rotary_embedding",
+    "silu_and_mul": "pagoda_cuda.ops.activation:silu_and_mul",
+    "gelu_tanh_and_mul": "pagoda_cuda.ops.activation:gelu_tanh_and_mul",
+    "store_kv_cache": "pagoda_cuda.ops.kv_store:store_kv_cache",
+    "fused_moe": "pagoda_cuda.ops.moe:fused_moe",
+}
+KERNEL_PRIORITY = 10
+
+
+@hookimpl
+def register_platforms(register):
+    from pagoda_cuda.platform import CudaPlatform
+
+    register(CudaPlatform())
+
+
+@hookimpl
+def register_attention_backends(register):
+    from pagoda_cuda.attention.backend import TritonPagedAttention
+
+    register(TritonPagedAttention())
+
+
+@hookimpl
+def register_kernels(register):
+    for op, impl in KERNELS.items():
+        register(op, "cuda", impl, priority=KERNEL_PRIORITY)

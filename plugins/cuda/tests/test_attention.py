@@ -1,0 +1,150 @@
+"""The triton paged-attention backend against the core's torch reference backend, on mixed
+prefill + decode batches over a shuffled paged cache."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from pagoda.attention.torch_paged import TorchPagedAttention
+from pagoda.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+from pagoda.interfaces import AttentionSpec
+
+GPU = pytest.mark.gpu
+
+
+@dataclass
+class FakeLayer:
+    spec: AttentionSpec
+
+
+def make_batch(device, dtype, seqs, nq, nk, hs, block_size, seed=0, pad_to=None):
+    """seqs: [(cached tokens, new tokens)], decodes (new == 1) first. Returns q, k, v, the
+    cache (context already filled) and the metadata; pad_to adds graph padding rows."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-(c + n) // block_size) for c, n in seqs]
+    num_blocks = sum(blocks_per_seq) + 3
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    cache = torch.randn(2, num_blocks, block_size, nk, hs, generator=gen).to(device, dtype)
+    width = max(blocks_per_seq)
+    tables, slots, starts, lens = [], [], [0], []
+    taken = 0
+    for (ctx, new), nb in zip(seqs, blocks_per_seq):
+        row = perm[taken:taken + nb]
+        taken += nb
+        tables.append(row + [0] * (width - nb))
+        slots += [row[p // block_size] * block_size + p % block_size for p in range(ctx, ctx + new)]
+        starts.append(starts[-1] + new)
+        lens.append(ctx + new)
+    num_decodes = next((i for i, (_, n) in enumerate(seqs) if n != 1), len(seqs))
+    for_graph = pad_to is not None
+    if for_graph:  # padding rows: seq_len 1, slot -1, table row of zeros
+        extra = pad_to - len(seqs)
+        tables += [[0] * width] * extra
+        slots += [-1] * extra
+        starts += [starts[-1] + i + 1 for i in range(extra)]
+        lens += [1] * extra
+        num_decodes = pad_to
+    t = starts[-1]
+    q = torch.randn(t, nq * hs, generator=gen).to(device, dtype)
+    kv = torch.randn(t, 2 * nk * hs, generator=gen).to(device, dtype)
+    k, v = kv[:, :nk * hs], kv[:, nk * hs:]  # strided views, as a fused projection gives
+    meta = AttentionMetadata(
+        num_tokens=t, num_seqs=len(lens), num_decodes=num_decodes, max_query_len=max(n for _, n in seqs),
+        max_seq_len=max(lens), block_size=block_size,
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc_cpu=starts, seq_lens_cpu=lens, for_graph=for_graph)
+    return q, k, v, cache, meta
+
+
+def run_both(q, k, v, cache, meta, spec, rows=None):
+    from pagoda_cuda.attention.backend import TritonPagedAttention
+
+    layer = FakeLayer(spec)
+    ours_cache, ref_cache = cache.clone(), cache.clone()
+    backend = TritonPagedAttention()
+    meta.backend_data = backend.prepare(meta)
+    with set_forward_context(ForwardContext(attn_metadata=meta, backends={})):
+        ours = backend.forward(layer, q, k, v, ours_cache, meta)
+        meta.backend_data = None
+        want = TorchPagedAttention().forward(layer, q, k, v, ref_cache, meta)
+    rows = slice(None) if rows is None else rows
+    return ours[rows], want[rows], ours_cache, ref_cache
+
+
+def check(device, dtype, seqs, nq, nk, hs, block_size, window=None, cap=None, pad_to=None, seed=0):
+    q, k, v, cache, meta = make_batch(device, dtype, seqs, nq, nk, hs, block_size, seed, pad_to)
+    spec = AttentionSpec("mha", nq, nk, hs, hs ** -0.5, sliding_window=window, logits_soft_cap=cap)
+    real = sum(n for _, n in seqs)
+    ours, want, ours_cache, ref_cache = run_both(q, k, v, cache, meta, spec, rows=slice(0, real))
+    assert torch.equal(ours_cache, ref_cache)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours.float(), want.float(), atol=tol, rtol=tol)
+
+
+MIXED = [(5, 1), (17, 1), (40, 1), (0, 13), (9, 20)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_batch_gqa(device, dtype):
+    check(device, dtype, MIXED, 4, 2, 32, 8)
+
+
+def test_head_size_96_no_gqa_and_odd_block(device):
+    check(device, torch.float32, [(30, 1), (3, 7)], 2, 2, 96, 16)
+
+
+def test_sliding_window_and_soft_cap(device):
+    check(device, torch.float32, MIXED, 4, 1, 16, 8, window=11, cap=5.0)
+
+
+def test_graph_metadata_with_padding_rows(device):
+    check(device, torch.float32, [(20, 1), (3, 1), (70, 1)], 8, 2, 32, 8, pad_to=8)
+
+
+def test_decode_splits_match_single_pass(device):
+    from pagoda_cuda.attention.decode import paged_decode
+
+    q, k, v, cache, meta = make_batch(device, torch.float32, [(150, 1), (1, 1), (64, 1)], 4, 2, 32, 8, seed=3)
+    from pagoda_cuda.ops.kv_store import store_kv_cache
+
+    store_kv_cache(k.view(-1, 2, 32), v.view(-1, 2, 32), cache, meta.slot_mapping)
+    outs = []
+    for splits in (1, 4):
+        out = torch.empty(3, 4, 32, device=device)
+        paged_decode(q.view(3, 4, 32), cache[0], cache[1], meta.block_tables, meta.seq_lens, out, 32 ** -0.5,
+                     splits)
+        outs.append(out)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+def test_backend_selection_rules():
+    from pagoda_cuda.attention.backend import TritonPagedAttention
+
+    backend = TritonPagedAttention()
+    spec = AttentionSpec("mha", 16, 8, 128, 0.1)
+    assert backend.supports("cuda", "bfloat16", spec) is None
+    assert not backend.auto_selectable("cpu")
+    assert "head sizes" in backend.supports("cuda", "bfloat16", AttentionSpec("mha", 4, 4, 512, 0.1))
+    assert "mla" in backend.supports("cuda", "bfloat16", AttentionSpec("mla", 4, 1, 64, 0.1))
+
+
+# ----------------------------------------------------------------------------- real shapes (GPU)
+@GPU
+@pytest.mark.parametrize("shape", [(16, 8, 128), (32, 32, 96), (32, 4, 128), (8, 8, 256), (8, 1, 64)])
+def test_real_shapes_mixed(device, shape):
+    nq, nk, hs = shape
+    seqs = [(600 + 13 * i, 1) for i in range(64)] + [(0, 512), (700, 300), (31, 97)]
+    check(device, torch.bfloat16, seqs, nq, nk, hs, 16)
+
+
+@GPU
+def test_real_shapes_long_context_splits(device):
+    check(device, torch.bfloat16, [(9000, 1), (4100, 1), (17, 1)], 16, 8, 128, 16)
+
+
+@GPU
+def test_real_shapes_graph_batch(device):
+    check(device, torch.bfloat16, [(700, 1)] * 200, 16, 8, 128, 16, pad_to=256)

@@ -1,0 +1,153 @@
+"""Triton kernel ops against the core's torch reference (interpreter on CPU, real shapes on GPU)."""
+
+import pytest
+import torch
+from pagoda.kernels import reference as ref
+from pagoda.layers.rotary import get_rope
+
+GPU = pytest.mark.gpu
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+       torch.float16: dict(atol=2e-3, rtol=2e-3)}
+
+
+def close(a, b, dtype, scale=1.0):
+    tol = TOL[dtype]
+    torch.testing.assert_close(a.float(), b.float(), atol=tol["atol"] * scale, rtol=tol["rtol"] * scale)
+
+
+def _norm_case(device, dtype, rows, hidden, residual):
+    from pagoda_cuda.ops.norm import fused_add_rms_norm, rms_norm
+
+    gen = torch.Generator().manual_seed(rows * 7 + hidden)
+    wide = torch.randn(rows, hidden + 8, generator=gen).to(device, dtype)
+    x = wide[:, 3:hidden + 3]  # a strided view, as q/k slices of a fused projection are
+    w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(device, dtype)
+    if residual:
+        r = torch.randn(rows, hidden, generator=gen).to(device, dtype)
+        out, summed = fused_add_rms_norm(x, r, w, 1e-6)
+        want_out, want_sum = ref.fused_add_rms_norm(x, r, w, 1e-6)
+        close(summed, want_sum, dtype)
+    else:
+        out, want_out = rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6)
+    assert out.dtype == want_out.dtype and out.shape == want_out.shape
+    close(out, want_out, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm(device, dtype, residual):
+    _norm_case(device, dtype, 5, 48, residual)
+    _norm_case(device, dtype, 37, 16, residual)  # several rows per program
+
+
+def _rotary_case(device, dtype, tokens, nq, nk, head, rotary_dim, neox, rope):
+    from pagoda_cuda.ops.rotary import rotary_embedding
+
+    emb = get_rope(head, rotary_dim, 64, rope, is_neox_style=neox)
+    cache = emb.cos_sin_cache.to(device)
+    gen = torch.Generator().manual_seed(tokens + nq)
+    qkv = torch.randn(tokens, (nq + 2 * nk) * head, generator=gen).to(device, dtype)
+    q, k = qkv[:, :nq * head], qkv[:, nq * head:(nq + nk) * head]  # strided views
+    pos = torch.randint(0, cache.shape[0], (tokens,), generator=gen).to(device)
+    got_q, got_k = rotary_embedding(pos, q, k, head, cache, neox)
+    want_q, want_k = ref.rotary_embedding(pos, q, k, head, cache, neox)
+    close(got_q, want_q, dtype)
+    close(got_k, want_k, dtype)
+
+
+@pytest.mark.parametrize("neox", [True, False])
+def test_rotary(device, neox):
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 1e4}
+    _rotary_case(device, torch.float32, 6, 4, 2, 32, 32, neox, None)
+    _rotary_case(device, torch.bfloat16, 3, 3, 1, 24, 16, neox, yarn)  # partial rotary, odd heads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_activations(device, dtype):
+    from pagoda_cuda.ops.activation import gelu_tanh_and_mul, silu_and_mul
+
+    x = torch.randn(7, 2 * 40, generator=torch.Generator().manual_seed(0)).to(device, dtype) * 3
+    close(silu_and_mul(x), ref.silu_and_mul(x), dtype)
+    close(gelu_tanh_and_mul(x), ref.gelu_tanh_and_mul(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_cache_skips_padding(device, dtype):
+    from pagoda_cuda.ops.kv_store import store_kv_cache
+
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randn(2, 6, 4, 2, 24, generator=gen).to(device, dtype)
+    want = cache.clone()
+    kv = torch.randn(5, 3 * 2 * 24, generator=gen).to(device, dtype)
+    k, v = kv[:, :48].view(5, 2, 24), kv[:, 48:96].view(5, 2, 24)
+    slots = torch.tensor([3, -1, 17, 0, 23], device=device)
+    store_kv_cache(k, v, cache, slots)
+    ref.store_kv_cache(k, v, want, slots)
+    assert torch.equal(cache, want)
+
+
+def _moe_case(device, dtype, tokens, hidden, inner, experts, topk, activation="silu", with_invalid=False):
+    from pagoda_cuda.ops.moe import fused_moe
+
+    gen = torch.Generator().manual_seed(tokens + experts)
+    x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
+    w13 = (torch.randn(experts, 2 * inner, hidden, generator=gen) / hidden ** 0.5).to(device, dtype)
+    w2 = (torch.randn(experts, hidden, inner, generator=gen) / inner ** 0.5).to(device, dtype)
+    logits = torch.randn(tokens, experts, generator=gen)
+    weights, ids = torch.softmax(logits, -1).topk(topk, dim=-1)
+    if with_invalid:  # expert parallelism maps experts held elsewhere to -1
+        ids[::3, 0] = -1
+    got = fused_moe(x, w13, w2, weights.to(device), ids.to(device), activation)
+    want = ref.fused_moe(x, w13, w2, weights.to(device), ids.to(device), activation)
+    close(got, want, dtype, scale=2.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe(device, dtype):
+    _moe_case(device, dtype, 9, 32, 24, 4, 2, with_invalid=True)
+
+
+def test_fused_moe_gelu(device):
+    _moe_case(device, torch.float32, 5, 16, 16, 3, 2, activation="gelu_tanh")
+
+
+# ----------------------------------------------------------------------------- real shapes (GPU)
+@GPU
+@pytest.mark.parametrize("hidden", [1024, 3072, 7168])
+def test_norm_real_shapes(device, hidden):
+    for residual in (False, True):
+        _norm_case(device, torch.bfloat16, 256, hidden, residual)
+    _norm_case(device, torch.bfloat16, 256 * 16, 128, False)  # q/k norm over head_dim
+
+
+@GPU
+def test_rotary_real_shapes(device):
+    _rotary_case(device, torch.bfloat16, 300, 16, 8, 128, 128, True, None)
+    _rotary_case(device, torch.bfloat16, 300, 32, 32, 96, 96, True, None)
+    yarn = {"rope_type": "deepseek_yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+            "rope_theta": 1e4, "mscale": 1.0, "mscale_all_dim": 1.0}
+    _rotary_case(device, torch.bfloat16, 300, 128, 1, 64, 64, False, yarn)
+
+
+@GPU
+def test_activation_and_store_real_shapes(device):
+    from pagoda_cuda.ops.activation import silu_and_mul
+    from pagoda_cuda.ops.kv_store import store_kv_cache
+
+    x = torch.randn(256, 2 * 8192, device=device, dtype=torch.bfloat16)
+    close(silu_and_mul(x), ref.silu_and_mul(x), torch.bfloat16)
+    cache = torch.randn(2, 64, 16, 8, 128, device=device, dtype=torch.bfloat16)
+    want = cache.clone()
+    k = torch.randn(300, 8, 128, device=device, dtype=torch.bfloat16)
+    v = torch.randn(300, 8, 128, device=device, dtype=torch.bfloat16)
+    slots = torch.randperm(64 * 16, device=device)[:300]
+    slots[::7] = -1
+    store_kv_cache(k, v, cache, slots)
+    ref.store_kv_cache(k, v, want, slots)
+    assert torch.equal(cache, want)
+
+
+@GPU
+@pytest.mark.parametrize("tokens", [1, 256, 4096])
+def test_fused_moe_real_shapes(device, tokens):
+    _moe_case(device, torch.bfloat16, tokens, 2048, 768, 128, 8, with_invalid=tokens == 256)
