@@ -22,6 +22,7 @@ from pagoda.errors import ConfigError, PluginError
 from pagoda.forward_context import AttentionMetadata, get_forward_context
 from pagoda.interfaces import AttentionBackend, AttentionSpec
 from pagoda.kernels import get_op
+from pagoda.layers.attention import is_quantized_kv_cache
 
 from pagoda_mlu.paged_cache import STORE_OP, gather_tokens, head_major_cache_shape
 
@@ -34,14 +35,15 @@ DEFAULT_TILE_SIZE = 256
 def tiled_paged_attention(q: torch.Tensor, q_pos: torch.Tensor, block_tables: torch.Tensor,
                           k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, tile_size: int,
                           start: int, end: int, sliding_window: int | None = None,
-                          soft_cap: float | None = None) -> torch.Tensor:
+                          soft_cap: float | None = None, kv_scales: dict | None = None) -> torch.Tensor:
     """Causal attention of queries over cached keys, one K/V tile at a time.
 
     q [B, Q, nq, d]; q_pos [B, Q] absolute position of each query (it sees keys at positions
     <= its own, and > q_pos - sliding_window with a window); block_tables [B, W];
     k_cache/v_cache one half of the head-major cache [num_blocks, nk, block_size, d(v)].
     Keys at positions [start, end) are visited; the caller picks the range that covers every
-    query's visible keys. Returns [B, Q, nq, dv] in q's dtype (computed in float32).
+    query's visible keys. ``kv_scales`` ({"k_scale", "v_scale"}, an fp8 cache) multiply what is
+    read. Returns [B, Q, nq, dv] in q's dtype (computed in float32).
     """
     b, nq_len, nq, d = q.shape
     nk = k_cache.shape[1]
@@ -59,6 +61,8 @@ def tiled_paged_attention(q: torch.Tensor, q_pos: torch.Tensor, block_tables: to
         # scores are masked below). Only the shorter rows of a decode batch reach such slots.
         values = gather_tokens(v_cache, block_tables, rows).float()
         values = values.masked_fill((rows > last_pos)[..., None, None], 0.0)
+        if kv_scales is not None:
+            keys, values = keys * kv_scales["k_scale"], values * kv_scales["v_scale"]
         scores = torch.einsum("bhgqd,bnhd->bhgqn", qf, keys) * scale
         if soft_cap:
             scores = soft_cap * torch.tanh(scores / soft_cap)
@@ -114,8 +118,12 @@ class MluChunkedAttention(AttentionBackend):
             return super().kv_cache_shape(spec, num_blocks, block_size)
         return head_major_cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.head_size)
 
-    def store(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
-        get_op(STORE_OP)(k, v, kv_cache, slots)
+    def store(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+              kv_scales: dict | None = None) -> None:
+        if kv_scales is None:
+            get_op(STORE_OP)(k, v, kv_cache, slots)
+        else:
+            get_op(STORE_OP)(k, v, kv_cache, slots, kv_scales["k_scale"], kv_scales["v_scale"])
 
     def _no_probe(self) -> None:
         if get_forward_context().attention_probe is not None:
@@ -128,9 +136,11 @@ class MluChunkedAttention(AttentionBackend):
         t = q.shape[0]
         nq, nk, hs = spec.num_heads, spec.num_kv_heads, spec.head_size
         q, k, v = q.view(t, nq, hs), k.view(t, nk, hs), v.view(t, nk, hs)
-        self.store(k, v, kv_cache, meta.slot_mapping[:t])
+        # An fp8 cache holds k / k_scale with the layer's scales (pagoda.layers.attention).
+        scales = getattr(layer, "kv_scales", None) if is_quantized_kv_cache(kv_cache) else None
+        self.store(k, v, kv_cache, meta.slot_mapping[:t], scales)
         out = torch.empty_like(q)
-        self.attend(q, k, v, out, kv_cache, meta, spec)
+        self.attend(q, k, v, out, kv_cache, meta, spec, scales)
         return out.view(t, nq * hs)
 
     def forward_mla(self, layer, q_nope, q_pe, kv_c_normed, k_pe, kv_cache, meta: AttentionMetadata):
@@ -150,12 +160,15 @@ class MluChunkedAttention(AttentionBackend):
         self.prefill_rows(q, out, keys, values, meta, spec, range(meta.num_decodes, meta.num_seqs))
         return torch.einsum("qhl,hvl->qhv", out, w_uv)
 
-    def attend(self, q, k, v, out, kv_cache, meta: AttentionMetadata, spec: AttentionSpec) -> None:
+    def attend(self, q, k, v, out, kv_cache, meta: AttentionMetadata, spec: AttentionSpec,
+               kv_scales: dict | None = None) -> None:
         """Fill ``out`` [T, nq, hs] for every row of the batch (k/v are already cached)."""
-        self.decode_rows(q, out, kv_cache[0], kv_cache[1], meta, spec)
-        self.prefill_rows(q, out, kv_cache[0], kv_cache[1], meta, spec, range(meta.num_decodes, meta.num_seqs))
+        seqs = range(meta.num_decodes, meta.num_seqs)
+        self.decode_rows(q, out, kv_cache[0], kv_cache[1], meta, spec, kv_scales)
+        self.prefill_rows(q, out, kv_cache[0], kv_cache[1], meta, spec, seqs, kv_scales)
 
-    def decode_rows(self, q, out, k_cache, v_cache, meta: AttentionMetadata, spec: AttentionSpec) -> None:
+    def decode_rows(self, q, out, k_cache, v_cache, meta: AttentionMetadata, spec: AttentionSpec,
+                    kv_scales: dict | None = None) -> None:
         """All one-token sequences at once: rows 0..num_decodes-1 of the batch."""
         nd = meta.num_decodes
         if nd == 0:
@@ -165,10 +178,10 @@ class MluChunkedAttention(AttentionBackend):
         start = max(0, min(lens) - spec.sliding_window) if spec.sliding_window else 0
         out[:nd] = tiled_paged_attention(
             q[:nd].unsqueeze(1), q_pos, meta.block_tables[:nd], k_cache, v_cache, spec.scale,
-            self.tile_size, start, max(lens), spec.sliding_window, spec.logits_soft_cap).squeeze(1)
+            self.tile_size, start, max(lens), spec.sliding_window, spec.logits_soft_cap, kv_scales).squeeze(1)
 
     def prefill_rows(self, q, out, k_cache, v_cache, meta: AttentionMetadata, spec: AttentionSpec,
-                     seqs: Iterable[int]) -> None:
+                     seqs: Iterable[int], kv_scales: dict | None = None) -> None:
         """Each prefill chunk of ``seqs`` on its own, its queries in blocks of tile_size."""
         starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         for i in seqs:
@@ -181,4 +194,5 @@ class MluChunkedAttention(AttentionBackend):
                 lo = max(0, first - spec.sliding_window + 1) if spec.sliding_window else 0
                 out[b0:b1] = tiled_paged_attention(
                     q[b0:b1].unsqueeze(0), q_pos, meta.block_tables[i:i + 1], k_cache, v_cache,
-                    spec.scale, self.tile_size, lo, last, spec.sliding_window, spec.logits_soft_cap)[0]
+                    spec.scale, self.tile_size, lo, last, spec.sliding_window, spec.logits_soft_cap,
+                    kv_scales)[0]

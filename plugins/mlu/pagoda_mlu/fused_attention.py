@@ -44,9 +44,10 @@ class MluFusedAttention(MluChunkedAttention):
             return f"{TORCH_MLU_OPS} attention has no logit soft-capping"
         return None
 
-    def attend(self, q, k, v, out, kv_cache, meta: AttentionMetadata, spec: AttentionSpec) -> None:
-        if kv_cache.dtype != q.dtype:  # e.g. an fp8 cache: the tiles upcast whatever they read
-            super().attend(q, k, v, out, kv_cache, meta, spec)
+    def attend(self, q, k, v, out, kv_cache, meta: AttentionMetadata, spec: AttentionSpec,
+               kv_scales: dict | None = None) -> None:
+        if kv_scales is not None or kv_cache.dtype != q.dtype:  # an fp8 cache: the tiles rescale it
+            super().attend(q, k, v, out, kv_cache, meta, spec, kv_scales)
             return
         lib = tmo()
         window = spec.sliding_window - 1 if spec.sliding_window else -1

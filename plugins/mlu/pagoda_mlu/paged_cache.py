@@ -19,18 +19,28 @@ def head_major_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
 
 
 def store_kv_cache_head_major(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                              slot_mapping: torch.Tensor) -> None:
+                              slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                              v_scale: torch.Tensor | None = None) -> None:
     """Write k, v [T, nk, hs] into kv_cache [2, num_blocks, nk, block_size, hs] at the flat slots
-    ``slot_mapping`` [T] (block * block_size + offset); slots < 0 are skipped (padding)."""
+    ``slot_mapping`` [T] (block * block_size + offset); slots < 0 are skipped (padding).
+    With ``k_scale``/``v_scale`` (an fp8 cache, as the core's ``store_kv_cache``) it stores
+    ``clamp(k / k_scale)`` to the cache type's range; readers multiply by the scale."""
+    if k_scale is not None:
+        limit = torch.finfo(kv_cache.dtype).max
+        k = (k.float() / k_scale).clamp(-limit, limit)
+        v = (v.float() / v_scale).clamp(-limit, limit)
     block_size = kv_cache.shape[3]
     slots = slot_mapping.long()
     if slots.numel() and bool((slots < 0).any()):
         keep = slots >= 0
         slots, k, v = slots[keep], k[keep], v[keep]
     blocks, offsets = slots // block_size, slots % block_size
+    k_dst, v_dst, k, v = kv_cache[0], kv_cache[1], k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+    if kv_cache.dtype.itemsize == 1 and kv_cache.dtype.is_floating_point:  # write fp8 as bytes
+        k_dst, v_dst, k, v = (t.view(torch.uint8) for t in (k_dst, v_dst, k, v))
     # Two index tensors around a full slice: the indexed view is [T, nk, hs], like k.
-    kv_cache[0][blocks, :, offsets] = k.to(kv_cache.dtype)
-    kv_cache[1][blocks, :, offsets] = v.to(kv_cache.dtype)
+    k_dst[blocks, :, offsets] = k
+    v_dst[blocks, :, offsets] = v
 
 
 def gather_tokens(cache: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -81,9 +81,11 @@ FLOAT_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # reshape_p
 
 
 def store_kv_cache_head_major(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                              slot_mapping: torch.Tensor) -> None:
-    if kv_cache.dtype not in FLOAT_CACHE_DTYPES or k.dtype != kv_cache.dtype:  # e.g. an fp8 cache
-        paged_cache.store_kv_cache_head_major(k, v, kv_cache, slot_mapping)
+                              slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                              v_scale: torch.Tensor | None = None) -> None:
+    if k_scale is not None or kv_cache.dtype not in FLOAT_CACHE_DTYPES or k.dtype != kv_cache.dtype:
+        # an fp8 cache (scaled): reshape_paged_cache stores float caches only
+        paged_cache.store_kv_cache_head_major(k, v, kv_cache, slot_mapping, k_scale, v_scale)
         return
     tmo().reshape_paged_cache(k.contiguous(), v.contiguous(), kv_cache[0], kv_cache[1],
                               slot_mapping.to(torch.int32))
