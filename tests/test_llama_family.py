@@ -1,9 +1,15 @@
 """Llama, Qwen2, Qwen3 and Mistral tiny random models against transformers."""
 
 import pytest
-import torch
-from pagoda import LLM, SamplingParams
-from pagoda.testing import hf_greedy_tokens, hf_prompt_logits, make_tiny_checkpoint, random_prompts
+from pagoda import LLM
+from pagoda.testing import (
+    assert_greedy_matches,
+    assert_kv_bytes_per_token,
+    assert_prompt_logits_match,
+    assert_weights_consumed,
+    make_tiny_checkpoint,
+    random_prompts,
+)
 
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -28,22 +34,21 @@ def tiny(request, tmp_path_factory):
 def test_prompt_logits_match_transformers(tiny):
     _, path = tiny
     llm = LLM(model=str(path), device="cpu", dtype="float32", num_kv_blocks=64, block_size=8)
-    prompt = random_prompts(1, 320, 40, 40, seed=3)[0]
-    ours = llm.prompt_logits(prompt)
-    ref = hf_prompt_logits(path, prompt)
-    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=2e-4)
+    assert_prompt_logits_match(llm, path, random_prompts(1, 320, 40, 40, seed=3), atol=2e-4, rtol=2e-4)
+    assert_kv_bytes_per_token(llm)  # 2 layers x K and V x KV heads x head_dim x 4 bytes
 
 
 def test_greedy_batch_with_chunked_prefill_and_preemption(tiny):
+    """Same tokens as transformers' generate; also asserts that a sequence was preempted,
+    that the longest prompts were chunked and that every KV block was freed."""
     _, path = tiny
     prompts = random_prompts(6, 320, 5, 45, seed=7)
-    ref = hf_greedy_tokens(path, prompts, 32)
     # 10 blocks of 8 tokens cannot hold six sequences of up to 77 tokens: preemption happens;
     # a 24-token budget splits the longer prompts into chunks.
-    llm = LLM(model=str(path), device="cpu", dtype="float32", num_kv_blocks=10, block_size=8,
-              max_num_batched_tokens=24, max_model_len=80, enable_prefix_caching=False)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == ref
-    stats = llm.get_stats()
-    assert stats["num_preemptions"] > 0
-    assert stats["kv_blocks_used"] == 0
+    assert_greedy_matches(path, prompts, 32, engine=dict(num_kv_blocks=10, block_size=8, max_num_batched_tokens=24,
+                                                         max_model_len=80, enable_prefix_caching=False))
+
+
+def test_every_checkpoint_tensor_is_loaded(tiny):
+    _, path = tiny
+    assert_weights_consumed(path)

@@ -5,9 +5,11 @@ import torch
 from pagoda import LLM, SamplingParams
 from pagoda.attention.torch_mla import TorchMLAAttention
 from pagoda.testing import (
+    assert_greedy_matches,
+    assert_kv_bytes_per_token,
+    assert_prompt_logits_match,
+    assert_weights_consumed,
     hf_expert_counts,
-    hf_greedy_tokens,
-    hf_prompt_logits,
     make_tiny_checkpoint,
     random_prompts,
 )
@@ -59,23 +61,20 @@ def test_prompt_logits_match_transformers(tiny):
     path, hf, _ = tiny
     assert hf.model.layers[1].mlp.gate.e_score_correction_bias.abs().sum() > 0
     llm = LLM(model=str(path), device="cpu", dtype="float32", num_kv_blocks=64, block_size=8)
-    for prompt in random_prompts(2, VOCAB, 9, 90, seed=3):  # one longer than the YaRN original length
-        torch.testing.assert_close(llm.prompt_logits(prompt), hf_prompt_logits(path, prompt, model=hf),
-                                   atol=LOGIT_TOL, rtol=LOGIT_TOL)
+    # one prompt longer than the YaRN original length
+    assert_prompt_logits_match(llm, path, random_prompts(2, VOCAB, 9, 90, seed=3), hf_model=hf, atol=LOGIT_TOL,
+                               rtol=LOGIT_TOL)
 
 
 def test_greedy_batch_with_chunked_prefill_and_preemption(tiny):
     path, hf, _ = tiny
     prompts = random_prompts(6, VOCAB, 5, 45, seed=7)
     assert max(map(len, prompts)) > 24  # longer than the step budget below: chunked
-    ref = hf_greedy_tokens(path, prompts, 32, model=hf)
-    llm = LLM(model=str(path), device="cpu", dtype="float32", num_kv_blocks=10, block_size=8,
-              max_num_batched_tokens=24, max_model_len=80, enable_prefix_caching=False)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == ref
-    stats = llm.get_stats()
-    assert stats["num_preemptions"] > 0
-    assert stats["kv_blocks_used"] == 0
+    # 10 blocks of 8 tokens for six sequences of up to 77 tokens: the helper asserts that a
+    # sequence was preempted and that every KV block was freed
+    assert_greedy_matches(path, prompts, 32, hf_model=hf, engine=dict(num_kv_blocks=10, block_size=8,
+                                                                      max_num_batched_tokens=24, max_model_len=80,
+                                                                      enable_prefix_caching=False))
 
 
 def test_kv_cache_holds_the_latent(tiny):
@@ -85,10 +84,17 @@ def test_kv_cache_holds_the_latent(tiny):
         llm = LLM(model=str(path), device="cpu", dtype=dtype, num_kv_blocks=16, block_size=8, max_model_len=128)
         runner = llm.engine.runner
         latent = fields["kv_lora_rank"] + fields["qk_rope_head_dim"]
-        assert runner.kv_bytes_per_token() == fields["num_hidden_layers"] * latent * size
+        assert_kv_bytes_per_token(llm, expected=fields["num_hidden_layers"] * latent * size)
+        assert_kv_bytes_per_token(llm)  # what pagoda.testing infers from the config agrees
         assert all(tuple(c.shape) == (16, 8, latent) for c in runner.kv_caches)
         assert {layer.spec.kind for layer in runner.attn_layers} == {"mla"}
         assert runner.backends["mla"].name == "torch_mla"
+
+
+def test_every_checkpoint_tensor_is_loaded(tiny):
+    """Also the multi-token-prediction layer the q_lora checkpoint carries: read (and skipped)."""
+    path, _, _ = tiny
+    assert_weights_consumed(path)
 
 
 def test_expert_counts_match_the_routers_choices(tiny):

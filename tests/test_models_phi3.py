@@ -6,9 +6,17 @@ import shutil
 
 import pytest
 import torch
-from pagoda import LLM, SamplingParams
+from pagoda import LLM
 from pagoda.errors import ModelLoadError
-from pagoda.testing import hf_greedy_tokens, hf_prompt_logits, make_tiny_checkpoint, random_prompts
+from pagoda.testing import (
+    assert_greedy_matches,
+    assert_kv_bytes_per_token,
+    assert_prompt_logits_match,
+    assert_weights_consumed,
+    hf_greedy_tokens,
+    make_tiny_checkpoint,
+    random_prompts,
+)
 from transformers import AutoModelForCausalLM
 
 VOCAB = 320
@@ -64,10 +72,9 @@ def test_prompt_logits_match_transformers(tiny):
     name, path, hf = tiny
     llm = LLM(model=str(path), device="cpu", dtype="float32", num_kv_blocks=32, block_size=8)
     # with LongRoPE: one prompt within original_max_position_embeddings, one beyond it
-    for length in (40, 60):
-        prompt = random_prompts(1, VOCAB, length, length, seed=length)[0]
-        torch.testing.assert_close(llm.prompt_logits(prompt), hf_prompt_logits(path, prompt, model=hf),
-                                   atol=LOGIT_TOL, rtol=LOGIT_TOL)
+    prompts = [random_prompts(1, VOCAB, length, length, seed=length)[0] for length in (40, 60)]
+    assert_prompt_logits_match(llm, path, prompts, hf_model=hf, atol=LOGIT_TOL, rtol=LOGIT_TOL)
+    assert_kv_bytes_per_token(llm)
 
 
 def test_greedy_batch_with_chunked_prefill_and_preemption(tiny):
@@ -87,14 +94,11 @@ def test_greedy_batch_with_chunked_prefill_and_preemption(tiny):
     assert stepwise[:4] == ref
     expected = dict(zip(map(tuple, short + long + crossing), stepwise))
     # 16 blocks of 8 tokens cannot hold six sequences of up to 102 tokens: preemption happens;
-    # a 24-token budget splits the longer prompts into chunks.
-    llm = LLM(model=str(path), device="cpu", dtype="float32", num_kv_blocks=16, block_size=8,
-              max_num_batched_tokens=24, max_model_len=104)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == [expected[tuple(p)] for p in prompts]
-    stats = llm.get_stats()
-    assert stats["num_preemptions"] > 0
-    assert stats["kv_blocks_used"] == 0
+    # a 24-token budget splits the longer prompts into chunks. (Asserted by the helper, which
+    # also checks that every KV block is freed.)
+    assert_greedy_matches(path, prompts, 32, expected=[expected[tuple(p)] for p in prompts],
+                          engine=dict(num_kv_blocks=16, block_size=8, max_num_batched_tokens=24, max_model_len=104,
+                                      enable_prefix_caching=True))
 
 
 def test_recompute_after_crossing_keeps_each_tokens_rotation(tiny):
@@ -105,12 +109,15 @@ def test_recompute_after_crossing_keeps_each_tokens_rotation(tiny):
     if "longrope" not in name:
         pytest.skip("no sequence-length-dependent rope")
     prompts = random_prompts(2, VOCAB, 40, 40, seed=12)
-    ref = hf_greedy_tokens(path, prompts, 32, model=hf, stepwise=True)
-    llm = LLM(model=str(path), device="cpu", dtype="float32", num_kv_blocks=13, block_size=8,
-              max_num_batched_tokens=24, max_model_len=104)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
-    assert llm.get_stats()["num_preemptions"] > 0
-    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert_greedy_matches(path, prompts, 32, hf_model=hf, stepwise=True,
+                          engine=dict(num_kv_blocks=13, block_size=8, max_num_batched_tokens=24, max_model_len=104,
+                                      enable_prefix_caching=True))
+
+
+def test_every_checkpoint_tensor_is_loaded(tiny):
+    """The fused qkv_proj / gate_up_proj tensors are read and split into every parameter."""
+    _, path, _ = tiny
+    assert_weights_consumed(path)
 
 
 def test_prefix_caching_off_only_when_the_long_factors_are_reachable(tiny):

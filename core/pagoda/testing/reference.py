@@ -69,9 +69,25 @@ def random_prompts(n: int, vocab_size: int, min_len: int, max_len: int, seed: in
 
 
 def _load_hf(directory: str | Path):
-    from transformers import AutoModelForCausalLM
+    return load_reference_model(directory)
 
-    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+
+def load_reference_model(directory: str | Path, model_type: str | None = None):
+    """The transformers model of a checkpoint, float32, in eval mode.
+
+    ``model_type``: the transformers model type to build it as, for checkpoints whose own
+    ``model_type`` transformers does not know (an architecture a plugin brings, computed as
+    an existing one computes it); None: the checkpoint's own."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    kwargs = {}
+    if model_type is not None:
+        import json
+
+        fields = json.loads((Path(directory) / "config.json").read_text())
+        fields.pop("model_type", None)
+        kwargs["config"] = CONFIG_MAPPING[model_type].from_dict(fields)
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32, **kwargs)
     model.eval()
     return model
 
