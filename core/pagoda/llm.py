@@ -76,7 +76,7 @@ class LLM:
         while len(done) < len(ids):
             if not self.engine.has_unfinished_requests():
                 break
-            for out in self.engine.step():
+            for out in self.engine.step(finished_only=True):
                 if out.finished and out.request_id in wanted:
                     done[out.request_id] = out
         return [done[i] for i in ids]

@@ -42,11 +42,14 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """logits [N, V] for the N sequences (in order) that sample this step."""
         params = [s.params for s in seqs]
-        want_logprobs = any(p.logprobs is not None for p in params)
-        plain = not any(p.needs_penalties or not p.greedy for p in params)
-        logits = logits.float()
+        distinct = list({id(p): p for p in params}.values())  # offline batches share one object
+        want_logprobs = any(p.logprobs is not None for p in distinct)
+        plain = not any(p.needs_penalties or not p.greedy for p in distinct)
         if plain and not want_logprobs:
+            # argmax before the float32 upcast: the same index (the upcast is exact and
+            # monotonic), without writing a float32 copy of [N, vocab]
             return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
+        logits = logits.float()
         raw = logits
         if any(p.needs_penalties for p in params):
             logits = logits.clone()

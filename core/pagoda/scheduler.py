@@ -18,7 +18,7 @@ from pagoda.block_manager import BlockManager
 from pagoda.sequence import Sequence, SequenceStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
@@ -92,12 +92,27 @@ class Scheduler:
         scheduled_ids: set[int] = set()
 
         # Running sequences: decodes first, then partial prefills, in admission order.
-        ordered = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        ordered += [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        ordered, partial = [], []
+        for s in self.running:
+            left = len(s.token_ids) - s.num_computed_tokens
+            if left == 1:
+                ordered.append(s)
+            elif left > 1:
+                partial.append(s)
+        ordered += partial
+        running_status = SequenceStatus.RUNNING
+        block_size = self.bm.block_size
         for seq in ordered:
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+            if seq.status is not running_status:  # preempted earlier in this loop
+                continue
+            computed = seq.num_computed_tokens
+            if len(seq.token_ids) - computed == 1 and computed < len(seq.block_table) * block_size:
+                # a decode whose slot is already allocated (allocate_slots would change nothing)
+                scheduled_ids.add(seq.seq_id)
+                decodes.append(ScheduledSeq(seq, 1, True))
+                budget -= 1
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.bm.allocate_slots(seq, num_new):
@@ -147,26 +162,33 @@ class Scheduler:
         """
         del now
         touched = []
+        running_status = SequenceStatus.RUNNING
+        bm = self.bm
+        caching, block_size = bm.enable_prefix_caching, bm.block_size
+        check_stop = self.check_stop
         for item in out.scheduled:
             seq = item.seq
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running_status:
                 continue
             seq.num_computed_tokens += item.num_new_tokens
-            self.bm.cache_computed_blocks(seq)
+            # (cache_computed_blocks returns at once unless a block became full)
+            if caching and min(seq.num_computed_tokens, len(seq.token_ids)) // block_size > len(seq.block_hashes):
+                bm.cache_computed_blocks(seq)
             if not item.sample:
                 continue
             token = sampled[seq.seq_id]
             seq.append_token(token)
-            self.stats.num_generated_tokens += 1
             touched.append(seq)
-            status = self.check_stop(seq, token, eos_token_ids)
+            status = check_stop(seq, token, eos_token_ids)
             if status is not None:
                 self.finish(seq, status)
+        self.stats.num_generated_tokens += len(touched)
         return touched
 
     def check_stop(self, seq: Sequence, token: int, eos_token_ids: set[int]) -> SequenceStatus | None:
         params = seq.params
-        n_out = seq.num_output_tokens
+        num_tokens = len(seq.token_ids)
+        n_out = num_tokens - len(seq.prompt_token_ids)
         if n_out >= params.min_tokens:
             if not params.ignore_eos and token in eos_token_ids:
                 seq.stop_reason = None
@@ -176,7 +198,7 @@ class Scheduler:
                 return SequenceStatus.FINISHED_STOPPED
         if params.max_tokens is not None and n_out >= params.max_tokens:
             return SequenceStatus.FINISHED_LENGTH
-        if seq.num_tokens >= self.max_model_len:
+        if num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
 

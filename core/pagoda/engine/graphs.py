@@ -2,7 +2,14 @@
 
 Decode-only batches are padded to the next size bucket and run from one graph per bucket
 over static input buffers. Padding rows write nowhere (slot -1) and read one cached token.
-Each step's integer inputs travel in two host→device copies.
+
+Host cost per step is what limits small models at large batches, so the inputs are built
+incrementally: the block table lives on the device as [max_blocks, max_batch] (block index
+major; the graphs see its transpose, [batch, max_blocks] with strides (1, max_batch)), and a
+row is rewritten only when another sequence takes it or its sequence was preempted; else
+only the blocks appended since the last step are written. Each step copies three small
+buffers to the device: the int64 rows (ids, positions, slots), the int32 rows (sequence
+lengths) and the first ``max blocks in use`` rows of the table.
 """
 
 from __future__ import annotations
@@ -33,61 +40,91 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.buckets = bucket_sizes(self.max_bs)
         dev = runner.device
+        pin = dev.type == "cuda"
         b, w = self.max_bs, self.width
-        # int64 rows: input ids, positions, slots; int32 rows: seq lens, token seq lens, tables
-        self.host64 = torch.zeros(3, b, dtype=torch.int64, pin_memory=dev.type == "cuda")
-        self.host32 = torch.zeros(2 * b + b * w, dtype=torch.int32, pin_memory=dev.type == "cuda")
+        # int64 rows: input ids, positions, slots; int32 rows: seq lens, token seq lens
+        self.host64 = torch.zeros(3, b, dtype=torch.int64, pin_memory=pin)
+        self.host32 = torch.zeros(2, b, dtype=torch.int32, pin_memory=pin)
+        self.host_tables = torch.zeros(w, b, dtype=torch.int32, pin_memory=pin)  # [block index, row]
         self.dev64 = torch.zeros(3, b, dtype=torch.int64, device=dev)
-        self.dev32 = torch.zeros(2 * b + b * w, dtype=torch.int32, device=dev)
+        self.dev32 = torch.zeros(2, b, dtype=torch.int32, device=dev)
+        self.dev_tables = torch.zeros(w, b, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, object] = {}
         self.contexts: dict[int, ForwardContext] = {}
         self.np64 = self.host64.numpy()
         self.np32 = self.host32.numpy()
+        self.np_tables = self.host_tables.numpy()
+        # what each table row holds: (seq_id, num_preemptions) and how many blocks were written
+        self.row_owner: list[tuple[int, int] | None] = [None] * b
+        self.row_blocks = [0] * b
 
     def _views(self, bucket: int):
-        b, w = self.max_bs, self.width
         ids, positions, slots = self.dev64[0, :bucket], self.dev64[1, :bucket], self.dev64[2, :bucket]
-        seq_lens = self.dev32[:bucket]
-        token_seq_lens = self.dev32[b:b + bucket]
-        tables = self.dev32[2 * b:].view(b, w)[:bucket]
+        seq_lens = self.dev32[0, :bucket]
+        token_seq_lens = self.dev32[1, :bucket]
+        tables = self.dev_tables.t()[:bucket]  # [bucket, width], strides (1, max_bs)
         return ids, positions, slots, seq_lens, token_seq_lens, tables
 
     def can_run(self, out: SchedulerOutput) -> bool:
         n = len(out.scheduled)
         return 0 < n <= self.max_bs and out.num_decodes == n
 
-    def _fill(self, out: SchedulerOutput, bucket: int) -> None:
-        n, b, w = len(out.scheduled), self.max_bs, self.width
+    def _update_tables(self, seqs) -> int:
+        """Write changed block-table entries into the host table; return the widest row used.
+        Between preemptions a sequence's block table only grows, so (seq_id, preemptions)
+        names its contents up to the blocks already written."""
+        table = self.np_tables
+        owners, written = self.row_owner, self.row_blocks
+        widest = 0
+        for i, s in enumerate(seqs):
+            bt = s.block_table
+            k = len(bt)
+            if k > widest:
+                widest = k
+            owner = (s.seq_id, s.num_preemptions)
+            done = written[i]
+            if owners[i] == owner and done <= k and (done == 0 or table[done - 1, i] == bt[done - 1]):
+                if k > done:
+                    table[done:k, i] = bt[done:k]
+                    written[i] = k
+                continue
+            if k:
+                table[:k, i] = bt
+            owners[i] = owner
+            written[i] = k
+        return min(widest, self.width)
+
+    def _fill(self, out: SchedulerOutput, bucket: int) -> int:
+        """Fill the host buffers for a step; return how many table rows to copy."""
+        n = len(out.scheduled)
         h64, h32 = self.np64, self.np32
         seqs = [it.seq for it in out.scheduled]
         h64[0, :n] = [s.token_ids[-1] for s in seqs]
         pos = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
         h64[1, :n] = pos
-        tables = h32[2 * b:].reshape(b, w)
-        tables[:bucket] = 0
-        for i, s in enumerate(seqs):
-            bt = s.block_table
-            k = min(len(bt), w)
-            tables[i, :k] = bt[:k]
-        h64[2, :n] = tables[np.arange(n), pos // self.block_size].astype(np.int64) * self.block_size \
-            + pos % self.block_size
-        h64[:, n:bucket] = 0
+        widest = self._update_tables(seqs)
+        block = pos // self.block_size
+        h64[2, :n] = self.np_tables[block, np.arange(n)].astype(np.int64) * self.block_size + pos % self.block_size
+        h64[:2, n:bucket] = 0
         h64[2, n:bucket] = -1
-        h32[:n] = pos + 1
-        h32[n:bucket] = 1
-        h32[b:b + n] = pos + 1
-        h32[b + n:b + bucket] = 1
+        h32[0, :n] = pos + 1
+        h32[0, n:bucket] = 1
+        h32[1, :n] = pos + 1  # a decoding sequence's length is its computed tokens + the new one
+        h32[1, n:bucket] = 1
+        return max(widest, 1)
 
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         n = len(out.scheduled)
         bucket = next(s for s in self.buckets if s >= n)
-        self._fill(out, bucket)
+        rows = self._fill(out, bucket)
         self.dev64.copy_(self.host64, non_blocking=True)
         self.dev32.copy_(self.host32, non_blocking=True)
+        self.dev_tables[:rows].copy_(self.host_tables[:rows], non_blocking=True)
         graph = self.graphs[bucket]
         graph.replay()
-        self.runner._accumulate_experts(self.contexts[bucket])
+        if self.contexts[bucket].expert_counts:
+            self.runner._accumulate_experts(self.contexts[bucket])
         return graph.output[:n]
 
     def capture(self) -> None:
@@ -95,9 +132,8 @@ class DecodeGraphs:
         pool = runner.platform.graph_pool()
         for bucket in reversed(self.buckets):  # largest first, so smaller ones reuse its memory
             ids, positions, slots, seq_lens, token_seq_lens, tables = self._views(bucket)
-            self.dev32.zero_()
-            seq_lens.fill_(1)
-            token_seq_lens.fill_(1)
+            self.dev32.fill_(1)
+            self.dev_tables.zero_()
             slots.fill_(-1)
             meta = AttentionMetadata(
                 num_tokens=bucket, num_seqs=bucket, num_decodes=bucket, max_query_len=1,
@@ -121,4 +157,7 @@ class DecodeGraphs:
                 self.graphs[bucket] = runner.platform.capture_graph(step, pool)
             self.contexts[bucket] = ctx
             pool = pool if pool is not None else runner.platform.graph_pool()
+        # the captures wrote zeros into the table: every row must be rewritten before use
+        self.row_owner = [None] * self.max_bs
+        self.np_tables[:] = 0
         logger.info("captured %d decode graphs (batch sizes up to %d)", len(self.graphs), self.max_bs)

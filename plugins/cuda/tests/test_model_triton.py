@@ -6,7 +6,6 @@ import torch
 from pagoda import LLM, SamplingParams, kernels
 from pagoda.plugins import get_registry
 from pagoda.testing import hf_greedy_tokens, hf_prompt_logits, make_tiny_checkpoint, random_prompts
-
 from pagoda_cuda.plugin import KERNELS
 
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

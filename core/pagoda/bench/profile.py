@@ -1,0 +1,142 @@
+"""Where one decode step's time goes: host time per engine phase, GPU time per kernel
+category, and the gap between them (launches, synchronisation, idle GPU).
+
+The engine is driven by hand: the prompts are admitted and stepped until every sequence is
+decoding, then a few decode steps are timed as they normally run (graphs when captured), a
+few more under ``torch.profiler``, and one more eagerly under the profiler (the kernels of
+a graph replay are not always visible to the profiler). The requests are aborted afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+
+# kernel-name fragments -> category (first match wins)
+CATEGORIES = [
+    ("attention", ("_decode_kernel", "_merge_kernel", "_prefill_kernel", "_mla_", "flash", "attn")),
+    ("kv store", ("_store_kv", "store_mla", "index_copy")),
+    ("moe", ("_gate_up_kernel", "_down_kernel", "_combine_kernel", "moe", "scatter_add", "radix", "sort",
+             "searchsorted", "cumsum")),
+    ("norm", ("rms_norm",)),
+    ("rotary", ("rotary",)),
+    ("activation", ("_gated_kernel", "silu", "gelu")),
+    ("gemm", ("gemm", "cutlass", "nvjet", "sm90", "xmma", "cublas", "matmul", "splitk", "kernel2", "addmm", "mm")),
+    ("sampling", ("argmax", "argmin", "max_", "softmax")),
+    ("copy", ("memcpy", "memset", "copy", "fill")),
+]
+
+
+def categorize(name: str) -> str:
+    low = name.lower()
+    for category, fragments in CATEGORIES:
+        if any(f in low for f in fragments):
+            return category
+    return "other"
+
+
+def _decoding_only(engine) -> bool:
+    sched = engine.scheduler
+    return not sched.waiting and bool(sched.running) and all(
+        s.num_tokens - s.num_computed_tokens == 1 for s in sched.running)
+
+
+def _kernel_table(prof, steps: int, on_gpu: bool) -> dict:
+    per_category: dict[str, float] = defaultdict(float)
+    kernels: dict[str, float] = {}
+    for evt in prof.key_averages():
+        if on_gpu:
+            seconds = getattr(evt, "self_device_time_total", getattr(evt, "self_cuda_time_total", 0)) / 1e6
+            if seconds <= 0 or getattr(evt, "device_type", None) != torch.autograd.DeviceType.CUDA:
+                continue
+        else:
+            seconds = evt.self_cpu_time_total / 1e6
+            if seconds <= 0 or not evt.key.startswith("aten::"):
+                continue
+        per_step = seconds / steps
+        kernels[evt.key] = kernels.get(evt.key, 0.0) + per_step
+        per_category[categorize(evt.key)] += per_step
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
+    return {"per_category_seconds": dict(sorted(per_category.items(), key=lambda kv: -kv[1])),
+            "busy_seconds": sum(per_category.values()), "top_kernels_seconds": dict(top)}
+
+
+def _timed_steps(engine, steps: int, on_gpu: bool) -> list[dict]:
+    out = []
+    for _ in range(steps):
+        if not _decoding_only(engine):
+            break
+        before = dict(vars(engine.times))
+        if on_gpu:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.step()
+        if on_gpu:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        after = vars(engine.times)
+        out.append({"wall": wall, **{k: after[k] - before[k] for k in ("schedule", "decode", "postprocess")}})
+    return out
+
+
+def profile_decode(llm, prompts: list[list[int]], params, timed_steps: int = 8, profiled_steps: int = 3) -> dict:
+    engine = llm.engine
+    on_gpu = engine.platform.device_type == "cuda"
+    ids = [engine.add_request(f"profile-{i}", p, params) for i, p in enumerate(prompts)]
+    try:
+        while engine.has_unfinished_requests() and not _decoding_only(engine):
+            engine.step()
+        for _ in range(3):  # let the first decode steps settle
+            if _decoding_only(engine):
+                engine.step()
+        batch = len(engine.scheduler.running)
+        context = sum(s.num_tokens for s in engine.scheduler.running) / max(1, batch)
+        timed = _timed_steps(engine, timed_steps, on_gpu)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if on_gpu:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            done = len(_timed_steps(engine, profiled_steps, on_gpu))
+        graph_table = _kernel_table(prof, max(1, done), on_gpu)
+        eager_table = None
+        runner = engine.runner
+        if runner.graphs is not None and _decoding_only(engine):
+            graphs, runner.graphs = runner.graphs, None
+            try:
+                with torch.profiler.profile(activities=activities) as prof:
+                    eager_steps = _timed_steps(engine, 1, on_gpu)
+                eager_table = _kernel_table(prof, 1, on_gpu)
+                eager_table["wall_seconds"] = eager_steps[0]["wall"] if eager_steps else None
+            finally:
+                runner.graphs = graphs
+    finally:
+        engine.abort_request(ids)
+    n = max(1, len(timed))
+    mean = {k: sum(t[k] for t in timed) / n for k in ("wall", "schedule", "decode", "postprocess")} if timed else {}
+    kernels = graph_table if graph_table["busy_seconds"] > 0 else (eager_table or graph_table)
+    gap = mean.get("decode", 0.0) - kernels["busy_seconds"] if mean else None
+    return {
+        "batch": batch, "mean_context": context, "graphs": runner.graphs is not None,
+        "step_seconds": mean, "kernels_per_step": kernels,
+        "kernels_source": "graph replay" if kernels is graph_table else "eager step",
+        "eager_step": eager_table,
+        "model_gap_seconds": gap,  # host time of the model call not covered by kernels
+    }
+
+
+def format_profile(profile: dict) -> list[str]:
+    step = profile["step_seconds"]
+    lines = [f"decode step profile: batch {profile['batch']}, mean context {profile['mean_context']:.0f} tokens, "
+             f"{'CUDA graphs' if profile['graphs'] else 'eager'}"]
+    if step:
+        lines.append(f"  step wall {step['wall'] * 1e3:.3f} ms = schedule {step['schedule'] * 1e3:.3f} + model+sample "
+                     f"{step['decode'] * 1e3:.3f} + postprocess {step['postprocess'] * 1e3:.3f} ms")
+    kernels = profile["kernels_per_step"]
+    lines.append(f"  kernels ({profile['kernels_source']}): busy {kernels['busy_seconds'] * 1e3:.3f} ms per step")
+    for category, seconds in kernels["per_category_seconds"].items():
+        lines.append(f"    {category:<11} {seconds * 1e3:8.3f} ms")
+    if profile.get("model_gap_seconds") is not None:
+        lines.append(f"  launch/sync gap in the model call: {profile['model_gap_seconds'] * 1e3:.3f} ms")
+    return lines

@@ -1,0 +1,60 @@
+"""Named benchmark shapes: the transformers configs of ``/shared/BENCH_ANCHORS.md``, written
+to a directory as ``config.json`` so the engine loads them with ``load_format: dummy``
+(random weights built on the device; nothing is downloaded)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pagoda.errors import ConfigError
+
+SHAPES: dict[str, dict] = {
+    "qwen3-0.6b": dict(
+        model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=1024, intermediate_size=3072,
+        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        tie_word_embeddings=True, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "phi3-mini": dict(
+        model_type="phi3", architectures=["Phi3ForCausalLM"], hidden_size=3072, intermediate_size=8192,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, vocab_size=32064,
+        tie_word_embeddings=False, max_position_embeddings=4096, original_max_position_embeddings=4096,
+        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "deepseek-v3-4l": dict(
+        model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], hidden_size=7168,
+        intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=4, first_k_dense_replace=3,
+        num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=256, n_shared_experts=1,
+        num_experts_per_tok=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True,
+        vocab_size=129280, tie_word_embeddings=False, max_position_embeddings=163840, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                         "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+                         "mscale": 1.0, "mscale_all_dim": 1.0}),
+}
+
+
+def shape_config(name: str):
+    """The transformers config object of a named shape."""
+    if name not in SHAPES:
+        raise ConfigError(f"--shape {name!r} is not a known shape (known: {', '.join(SHAPES)})")
+    from transformers import AutoConfig
+
+    fields = dict(SHAPES[name])
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def write_shape(name: str, directory: str | Path) -> Path:
+    """Write the shape's config.json into ``directory`` (created) and return it."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = shape_config(name)
+    data = config.to_dict()
+    data["architectures"] = SHAPES[name]["architectures"]
+    (directory / "config.json").write_text(json.dumps(data, indent=1, default=str))
+    return directory

@@ -1,0 +1,248 @@
+"""``pagoda bench throughput``: offline generation throughput, like vLLM's benchmark_throughput.
+
+A model directory (``--model``) or a named random-weight shape (``--shape``, built on the
+device with ``load_format: dummy``); random token-id prompts; all submitted at once. After a
+short warm-up the workload runs ``--repeats`` times (fresh prompts each time, so the prefix
+cache never helps); the best run is reported with every run kept in the JSON. The result
+also holds the engine's time split, MoE expert load, the roofline bound and the fraction of
+it reached, an optional decode-step profile and an optional HF transformers baseline.
+The JSON format is documented in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+SCHEMA = "pagoda.bench.throughput/1"
+
+
+def add_parser(sub) -> None:
+    from pagoda.bench.shapes import SHAPES
+    from pagoda.cli.engine_args import add_engine_args
+
+    p = sub.add_parser("throughput", help="offline generation throughput (model dir or --shape)",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), help="random-weight model of a named shape, built on the "
+                   "device (instead of --model)")
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --output-len tokens")
+    p.add_argument("--repeats", type=int, default=2, help="timed runs of the workload (best is reported)")
+    p.add_argument("--warmup-prompts", type=int, default=16, help="prompts of the warm-up run (0: none)")
+    p.add_argument("--prompt-seed", type=int, default=0)
+    p.add_argument("--json", dest="json_path", metavar="FILE", help="write the result as JSON")
+    p.add_argument("--profile", action="store_true", help="profile decode steps (host phases, kernels)")
+    p.add_argument("--baseline", choices=["hf"], help="also run HF transformers generate on the same workload")
+    p.add_argument("--baseline-max-seconds", type=float, default=120.0,
+                   help="stop the baseline's generate after this long (default 120)")
+    p.add_argument("--bandwidth-gbs", type=float, help="device bandwidth for the roofline, GB/s (default: "
+                   "measured here)")
+    p.add_argument("--matmul-tflops", type=float, help="matmul rate for the roofline, TFLOP/s (default: "
+                   "measured here)")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def _prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    low = min(100, vocab // 2)  # stay clear of the special ids most vocabularies start with
+    return rng.integers(low, vocab, size=(num, length)).tolist()
+
+
+def _one_run(llm, prompts, params) -> dict:
+    from pagoda.engine.llm_engine import StepTimes
+
+    engine = llm.engine
+    engine.times = StepTimes()
+    preempt0 = engine.scheduler.stats.num_preemptions
+    engine.platform.synchronize()
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    engine.platform.synchronize()
+    elapsed = time.perf_counter() - t0
+    out_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    in_tokens = sum(len(p) for p in prompts)
+    return {
+        "elapsed_seconds": elapsed, "output_tokens": out_tokens, "input_tokens": in_tokens,
+        "requests_per_s": len(prompts) / elapsed, "output_tok_s": out_tokens / elapsed,
+        "total_tok_s": (out_tokens + in_tokens) / elapsed,
+        "times": {k: v for k, v in asdict(engine.times).items() if k != "extra"},
+        "num_preemptions": engine.scheduler.stats.num_preemptions - preempt0,
+        "latency_ms": request_latencies(outputs),
+    }
+
+
+def request_latencies(outputs) -> dict:
+    """Percentiles (ms) over the requests of one run: time to first token, time per output
+    token after the first, and end-to-end time (all requests arrive at the start)."""
+    from pagoda.bench.serve import percentiles
+
+    ttft, tpot, e2e = [], [], []
+    for out in outputs:
+        m = out.metrics
+        if m is None or m.first_token_time is None or m.finished_time is None:
+            continue
+        ttft.append(m.first_token_time - m.arrival_time)
+        e2e.append(m.finished_time - m.arrival_time)
+        n = max(len(c.token_ids) for c in out.outputs)
+        if n > 1:
+            tpot.append((m.finished_time - m.first_token_time) / (n - 1))
+    ms = lambda d: {k: (None if v is None else v * 1000.0) for k, v in d.items()}  # noqa: E731
+    return {"ttft": ms(percentiles(ttft)), "tpot": ms(percentiles(tpot)), "e2e": ms(percentiles(e2e))}
+
+
+def _build_config(args, tmp: str):
+    from pagoda.cli.engine_args import engine_config_from_args
+
+    extra = {}
+    if args.shape:
+        if args.model:
+            from pagoda.errors import ConfigError
+
+            raise ConfigError("give either --model or --shape, not both")
+        from pagoda.bench.shapes import write_shape
+
+        extra = dict(model=str(write_shape(args.shape, Path(tmp) / args.shape)), load_format="dummy",
+                     skip_tokenizer_init=True)
+    if args.max_model_len is None:
+        extra["max_model_len"] = args.input_len + args.output_len
+    return engine_config_from_args(args, **extra)
+
+
+def run(args) -> int:
+    import torch
+
+    from pagoda import LLM, SamplingParams, __version__
+    from pagoda.bench.roofline import Ceilings, Workload, measure_ceilings, model_counts, workload_floor
+
+    with tempfile.TemporaryDirectory(prefix="pagoda-bench-") as tmp:
+        config = _build_config(args, tmp)
+        t0 = time.perf_counter()
+        llm = LLM(config=config)
+        setup_s = time.perf_counter() - t0
+        engine = llm.engine
+        runner = engine.runner
+        hf_config = engine.hf_config
+        vocab = hf_config.vocab_size
+        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=args.ignore_eos,
+                                detokenize=False)
+        if args.warmup_prompts:
+            warm = SamplingParams(temperature=0.0, max_tokens=min(8, args.output_len), ignore_eos=True,
+                                  detokenize=False)
+            llm.generate(_prompts(args.warmup_prompts, args.input_len, vocab, args.prompt_seed + 999), warm)
+        runs = []
+        for r in range(args.repeats):
+            runs.append(_one_run(llm, _prompts(args.num_prompts, args.input_len, vocab, args.prompt_seed + r), params))
+        best = max(runs, key=lambda x: x["output_tok_s"])
+        stats = llm.get_stats()
+        experts = stats.get("expert_load")
+        profile = None
+        if args.profile:
+            from pagoda.bench.profile import profile_decode
+
+            profile = profile_decode(llm, _prompts(args.num_prompts, args.input_len, vocab, args.prompt_seed + 77),
+                                     SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
+                                                    detokenize=False))
+        device = runner.device
+        if args.bandwidth_gbs and args.matmul_tflops:
+            ceilings = Ceilings(args.bandwidth_gbs * 1e9, args.matmul_tflops * 1e12, False)
+        else:
+            ceilings = measure_ceilings(device, runner.dtype)
+            if args.bandwidth_gbs:
+                ceilings.bandwidth = args.bandwidth_gbs * 1e9
+            if args.matmul_tflops:
+                ceilings.matmul_flops = args.matmul_tflops * 1e12
+        counts = model_counts(runner.model, hf_config)
+        work = Workload(args.num_prompts, args.input_len, args.output_len)
+        floor = workload_floor(work, counts, runner.kv_bytes_per_token(), hf_config, ceilings)
+        result = {
+            "schema": SCHEMA,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "pagoda_version": __version__, "torch_version": torch.__version__,
+            "command": "pagoda " + " ".join(sys.argv[1:]),
+            "device": engine.platform.describe(), "platform": engine.platform.name, "dtype": engine.dtype,
+            "model": {"shape": args.shape, "path": None if args.shape else config.model,
+                      "architecture": (getattr(hf_config, "architectures", None) or ["?"])[0],
+                      "weight_bytes": counts["weight_bytes"], "kv_bytes_per_token": runner.kv_bytes_per_token(),
+                      "attention_backends": {k: b.name for k, b in runner.backends.items()},
+                      "cuda_graphs": runner.graphs is not None},
+            "workload": {**asdict(work), "ignore_eos": args.ignore_eos, "repeats": args.repeats,
+                         "warmup_prompts": args.warmup_prompts},
+            "engine_config": config.model_dump(mode="json"),
+            "setup_seconds": setup_s,
+            "runs": runs,
+            "best": best,
+            "expert_load": None if not experts else {k: experts[k] for k in ("max_over_mean", "active_share",
+                                                                               "total")},
+            "roofline": floor,
+            "fraction_of_bound": best["output_tok_s"] / floor["bound_output_tok_s"],
+            "profile": profile,
+            "baseline": None,
+        }
+        if args.baseline == "hf":
+            from pagoda.bench.hf_baseline import run_hf_baseline
+
+            dtype = runner.dtype
+            model_dir = None if args.shape else config.model
+            del llm, engine, runner
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            result["baseline"] = run_hf_baseline(hf_config, model_dir,
+                                                  _prompts(args.num_prompts, args.input_len, vocab, args.prompt_seed),
+                                                  args.output_len, device, dtype, args.baseline_max_seconds)
+    print("\n".join(format_result(result)))
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.json_path}")
+    return 0
+
+
+def format_result(res: dict) -> list[str]:
+    w, best, floor = res["workload"], res["best"], res["roofline"]
+    name = res["model"]["shape"] or res["model"]["path"]
+    t = best["times"]
+    c = floor["ceilings"]
+    spread = ", ".join(f"{r['output_tok_s']:,.0f}" for r in res["runs"])
+    lines = [
+        f"pagoda bench throughput: {name} ({res['model']['architecture']}), {w['num_prompts']} prompts x "
+        f"{w['input_len']} in x {w['output_len']} out, {res['dtype']} on {res['device']}",
+        f"  requests/s       {best['requests_per_s']:,.2f}",
+        f"  output tok/s     {best['output_tok_s']:,.0f}   (runs: {spread})",
+        f"  total tok/s      {best['total_tok_s']:,.0f}",
+        f"  time split       {best['elapsed_seconds']:.3f} s: prefill {t['prefill']:.3f} s, "
+        f"decode {t['decode']:.3f} s, scheduling {t['schedule']:.3f} s, postprocess {t['postprocess']:.3f} s "
+        f"over {t['steps']} steps",
+        f"  roofline         {floor['bound_output_tok_s']:,.0f} output tok/s ({floor['bound_by']}-bound: "
+        f"{floor['decode_bytes'] / 1e9:,.0f} GB at {c['bandwidth'] / 1e12:.2f} TB/s = "
+        f"{floor['bytes_seconds']:.3f} s; {floor['flops'] / 1e12:,.2f} TFLOP at {c['matmul_flops'] / 1e12:.1f} "
+        f"TFLOP/s = {floor['flops_seconds']:.3f} s)",
+        f"  reached          {100 * res['fraction_of_bound']:.1f}% of the bound",
+    ]
+    if res["expert_load"]:
+        e = res["expert_load"]
+        lines.append(f"  expert load      max/mean {e['max_over_mean']:.2f}, "
+                     f"experts used {100 * e['active_share']:.0f}%")
+    if best["num_preemptions"]:
+        lines.append(f"  preemptions      {best['num_preemptions']}")
+    if res["profile"]:
+        from pagoda.bench.profile import format_profile
+
+        lines += ["  " + line for line in format_profile(res["profile"])]
+    if res["baseline"]:
+        b = res["baseline"]
+        capped = f" (stopped at {b['max_seconds']:.0f} s)" if b["capped"] else ""
+        lines.append(f"  HF transformers  {b['output_tok_s']:,.0f} output tok/s{capped}; pagoda is "
+                     f"{best['output_tok_s'] / b['output_tok_s']:.1f}x")
+    return lines
