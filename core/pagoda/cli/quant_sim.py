@@ -203,7 +203,8 @@ def simulate(config, method: Any, args) -> dict:
     ref2 = sum(v.pop("_ref2") for v in layers.values() if v["method"] != "none")
     fp_bytes, q_bytes = _model_bytes(fp.engine.runner.model), _model_bytes(q.engine.runner.model)
     return {
-        "model": str(config.model), "method": method, "policy": getattr(policy, "describe", lambda: str(method))(),
+        "model": str(config.model or fp.engine.model_name), "method": method,
+        "policy": getattr(policy, "describe", lambda: str(method))(),
         "kv_cache_dtype": config.kv_cache_dtype, "num_prompts": len(prompts), "max_tokens": args.max_tokens,
         "overall": {"weight_rel_error": math.sqrt(err2 / ref2) if ref2 else 0.0,
                     **_logit_metrics(fp_logits, q_logits), **_greedy_metrics(fp_tokens, q_tokens),

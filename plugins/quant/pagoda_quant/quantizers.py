@@ -9,7 +9,7 @@ from pagoda.errors import ConfigError, ModelLoadError
 from pagoda.interfaces import QuantConfig, Quantizer
 
 FP8_USER_OPTIONS = {"weight_scale": "channel", "weight_block_size": None, "skip": None}
-INT4_USER_OPTIONS = {"group_size": 128, "symmetric": False, "skip": None}
+INT4_USER_OPTIONS = {"group_size": None, "symmetric": False, "skip": None}
 
 
 def _block_size(value, where: str, error=ConfigError) -> tuple[int, int] | None:
@@ -79,7 +79,9 @@ class Int4Quantizer(Quantizer):
         from pagoda_quant.methods.int4 import Int4Config
 
         opts = options_of(options, INT4_USER_OPTIONS, "quantization (int4)")
-        group = positive_int(opts["group_size"], "quantization.group_size", allow_minus_one=True)
+        group = opts["group_size"]
+        if group is not None:
+            group = positive_int(group, "quantization.group_size", allow_minus_one=True)
         if not isinstance(opts["symmetric"], bool):
             raise ConfigError(f"quantization.symmetric must be true or false, got {opts['symmetric']!r}")
         return Int4Config(group, opts["symmetric"], _skip_list(opts["skip"], "quantization.skip"))

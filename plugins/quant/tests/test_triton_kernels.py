@@ -116,3 +116,49 @@ def test_gpu_ops_compose_quantization_and_gemm():
     qweight, scales, zeros = i4.to_kernel_layout(q, s, z, torch.float32)
     torch.testing.assert_close(cuda_ops.int4_linear(x, qweight, scales, zeros, bias),
                                ref.int4_linear(x, qweight, scales, zeros, bias), rtol=1e-5, atol=1e-4)
+
+
+def _experts(method, e=4, h=64, inter=32, dtype=torch.float32):
+    from pagoda_quant.methods.moe import ExpertWeights
+
+    class Layer(torch.nn.Module):
+        num_local_experts, expert_start, activation = e, 0, "silu"
+
+    layer = Layer()
+    with torch.device(DEVICE):
+        method.create_weights(layer, e, h, inter, dtype)
+    for p in layer.parameters():
+        p.data.normal_(0, 0.1)
+    method.process_weights_after_loading(layer)
+    return ExpertWeights(layer, method, "w13"), ExpertWeights(layer, method, "w2")
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-block", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_moe_quant_matches_reference(fmt, dtype):
+    from pagoda_quant.kernels import triton_moe
+    from pagoda_quant.methods.moe import Fp8ExpertsMethod, Int4ExpertsMethod
+
+    torch.manual_seed(5)
+    method = {"fp8": Fp8ExpertsMethod(None, online=True), "fp8-block": Fp8ExpertsMethod((16, 16), online=True),
+              "int4": Int4ExpertsMethod(16, False)}[fmt]
+    w13, w2 = _experts(method, dtype=dtype)
+    for t in (3, 40):  # few rows per expert (BLOCK_M 16) and many (BLOCK_M 64)
+        x = torch.randn(t, 64, device=DEVICE).to(dtype)
+        weights, ids = torch.randn(t, 4, device=DEVICE).softmax(-1).topk(2)
+        ids[0, 1] = -1  # an expert held by another expert-parallel rank: contributes nothing
+        got = triton_moe.fused_moe_quant(x, w13, w2, weights, ids)
+        want = ref.fused_moe_quant(x, w13, w2, weights, ids)
+        tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.float16 else dict(rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+def test_moe_alignment_pads_each_expert_to_whole_blocks():
+    from pagoda_quant.kernels.triton_moe import align
+
+    ids = torch.tensor([[2, 0], [2, -1], [0, 2]], device=DEVICE)
+    pairs, block_expert, num_pairs = align(ids, 4, 4)
+    assert num_pairs == 6
+    # expert 0: pairs 1, 4; expert 2: pairs 0, 2, 5; the -1 (pair 3) is dropped; filler = 6
+    assert pairs[:8].tolist() == [1, 4, 6, 6, 0, 2, 5, 6]
+    assert block_expert.tolist()[:3] == [0, 2, 4]

@@ -6,6 +6,7 @@
   int4_linear       Triton fused dequantize-GEMM up to INT4_DENSE_MIN_TOKENS rows; above it one
                     Triton dequantization to the activation dtype plus a dense matmul
                     (prefill is compute-bound, so the dense tensor-core GEMM wins there).
+  fused_moe_quant   Triton fused MoE dequantizing expert weight tiles in registers.
 
 ``PAGODA_QUANT_FP8_GEMM=triton`` forces the Triton FP8 GEMM (benchmarks compare both). All
 paths are CUDA-graph safe: no host synchronisation and no data-dependent Python branches.
@@ -80,9 +81,13 @@ def int4_linear(x, qweight, scales, zeros, bias=None):
 
 
 def fused_moe_quant(hidden, w13, w2, topk_weights, topk_ids, activation="silu"):
-    """Every local expert dequantized to the activation dtype, then the platform's dense
-    ``fused_moe`` kernel (graph-safe). The weights stay quantized in memory; the transient
-    full-precision copy is one layer's experts."""
+    """pagoda-quant's expert formats: the Triton fused MoE dequantizing weight tiles in registers.
+    Experts of another method (no ``kernel_tensors``): every local expert dequantized to the
+    activation dtype, then the platform's dense ``fused_moe`` (a transient copy of one layer)."""
+    if hasattr(w13, "kernel_tensors") and hasattr(w2, "kernel_tensors"):
+        from pagoda_quant.kernels import triton_moe
+
+        return triton_moe.fused_moe_quant(hidden.contiguous(), w13, w2, topk_weights, topk_ids, activation)
     from pagoda.kernels import get_op
 
     return get_op("fused_moe")(hidden, w13.dequantize_all(hidden.dtype), w2.dequantize_all(hidden.dtype),

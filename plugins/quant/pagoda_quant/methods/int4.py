@@ -15,8 +15,6 @@ from pagoda.errors import ModelLoadError
 from pagoda_quant.formats import int4 as i4
 from pagoda_quant.methods.base import FullPrecisionWeights, PolicyConfig, QuantizedLinearMethod, layer_name, op
 
-DEFAULT_GROUP_SIZE = 128
-
 
 class Int4KernelLayout(QuantizedLinearMethod):
     """apply/dequantize over the kernel layout (qweight, scales, zeros, optional perm)."""
@@ -45,8 +43,14 @@ class Int4KernelLayout(QuantizedLinearMethod):
             layer.register_buffer("perm", perm, persistent=False)
 
 
-def check_group_size(layer, input_size: int, group_size: int, what: str) -> int:
-    """The effective group size (-1: the whole row), or an error naming the layer."""
+AUTO_GROUP_SIZES = (128, 64, 32)
+
+
+def check_group_size(layer, input_size: int, group_size: int | None, what: str) -> int:
+    """The effective group size (-1: the whole row; None: the largest of 128, 64, 32 that
+    divides the input size), or an error naming the layer."""
+    if group_size is None:
+        group_size = next((g for g in AUTO_GROUP_SIZES if input_size % g == 0), AUTO_GROUP_SIZES[0])
     g = input_size if group_size == -1 else group_size
     if input_size % 8 or input_size % g:
         raise ModelLoadError(f"{what}: layer {layer_name(layer)} has {input_size} inputs per rank, not a multiple "
@@ -80,7 +84,7 @@ class Int4Config(PolicyConfig):
 
     name = "int4"
 
-    def __init__(self, group_size: int = DEFAULT_GROUP_SIZE, symmetric: bool = False,
+    def __init__(self, group_size: int | None = None, symmetric: bool = False,
                  skip_modules: list[str] | None = None):
         super().__init__(skip_modules)
         self.group_size = group_size
@@ -95,4 +99,5 @@ class Int4Config(PolicyConfig):
         return Int4ExpertsMethod(self.group_size, self.symmetric)
 
     def describe(self) -> str:
-        return f"int4 round-to-nearest, group {self.group_size}, {'symmetric' if self.symmetric else 'zero points'}"
+        group = "128 (64 or 32 where 128 does not divide)" if self.group_size is None else self.group_size
+        return f"int4 round-to-nearest, group {group}, {'symmetric' if self.symmetric else 'zero points'}"

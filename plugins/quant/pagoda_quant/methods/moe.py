@@ -26,6 +26,10 @@ from torch import nn
 from pagoda_quant.formats import fp8 as f8
 from pagoda_quant.formats import int4 as i4
 from pagoda_quant.methods.base import add_param, layer_name, op, replace_param
+from pagoda_quant.methods.int4 import check_group_size
+
+# weight formats of ExpertWeights.kernel_tensors(), read by the Triton MoE kernels
+FP8_CHANNEL, FP8_BLOCK, INT4 = 0, 1, 2
 
 
 class ExpertWeights:
@@ -34,6 +38,15 @@ class ExpertWeights:
     def __init__(self, layer: nn.Module, method: QuantizedExpertsMethod, which: str):
         self.layer, self.method, self.which = layer, method, which
         self.num_experts = layer.num_local_experts
+
+    @property
+    def in_features(self) -> int:
+        """Input size per expert (H for w13, the intermediate size for w2)."""
+        return self.method.in_features(self.layer, self.which)
+
+    def kernel_tensors(self) -> tuple:
+        """(format, weight, scales, zeros or None, (block_n, block_k), group) for fused kernels."""
+        return self.method.kernel_tensors(self.layer, self.which)
 
     def dequantize(self, expert: int, dtype: torch.dtype) -> torch.Tensor:
         """[rows, cols] (out x in) of one expert in ``dtype``."""
@@ -127,6 +140,15 @@ class Fp8ExpertsMethod(QuantizedExpertsMethod):
                     scale[:, None].expand(-1, rows)
                 replace_param(layer, f"{which}_weight_scale", channel.contiguous())
 
+    def in_features(self, layer, which):
+        return getattr(layer, f"{which}_weight").shape[2]
+
+    def kernel_tensors(self, layer, which):
+        w = getattr(layer, f"{which}_weight")
+        if self.block is not None:
+            return FP8_BLOCK, w, getattr(layer, f"{which}_weight_scale_inv"), None, self.block, 1
+        return FP8_CHANNEL, w, getattr(layer, f"{which}_weight_scale"), None, (1, 1), 1
+
     def dequantize_expert(self, layer, which, expert):
         w = getattr(layer, f"{which}_weight")[expert]
         if self.block is not None:
@@ -148,22 +170,26 @@ class Int4ExpertsMethod(QuantizedExpertsMethod):
         self.symmetric = symmetric
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype):
-        for k in (hidden_size, intermediate_size_per_partition):
-            g = k if self.group_size == -1 else self.group_size
-            if k % 8 or k % g:
-                raise ModelLoadError(f"quantization int4: experts of {layer_name(layer)} have an input size {k} per "
-                                     f"rank that is not a multiple of group_size {g} (and of 8)")
+        self.groups = {which: check_group_size(layer, k, self.group_size, "quantization int4 (experts)")
+                       for which, k in (("w13", hidden_size), ("w2", intermediate_size_per_partition))}
         _full_precision(layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype)
 
     def process_weights_after_loading(self, layer):
         for which in ("w13", "w2"):
             w = getattr(layer, f"{which}_weight").data  # [E, N, K]
-            g = w.shape[2] if self.group_size == -1 else self.group_size
+            g = self.groups[which]
             packed = [i4.to_kernel_layout(*i4.quantize_groups(w[e], g, self.symmetric), w.dtype)
                       for e in range(w.shape[0])]
             del layer._parameters[f"{which}_weight"]
             for i, name in enumerate(("qweight", "scales", "zeros")):
                 replace_param(layer, f"{which}_{name}", torch.stack([p[i] for p in packed]))
+
+    def in_features(self, layer, which):
+        return getattr(layer, f"{which}_qweight").shape[1] * i4.PACK
+
+    def kernel_tensors(self, layer, which):
+        qweight, scales, zeros = (getattr(layer, f"{which}_{n}") for n in ("qweight", "scales", "zeros"))
+        return INT4, qweight, scales, zeros, (1, 1), self.groups[which]
 
     def dequantize_expert(self, layer, which, expert):
         qweight, scales, zeros = (getattr(layer, f"{which}_{n}")[expert] for n in ("qweight", "scales", "zeros"))

@@ -1,0 +1,181 @@
+"""Fused MoE over quantized experts (W8A16 / W4A16): the ``cuda`` ``fused_moe_quant``.
+
+1. ``align`` (torch ops of fixed sizes: no host sync, graph-capturable): the T*K (token,
+   expert) pairs sorted by expert, each expert's run padded to a multiple of BLOCK_M, so that
+   every BLOCK_M block of rows belongs to one expert (``block_expert``; E past the end).
+2. gate/up: each program takes BLOCK_M gathered token rows and BLOCK_N columns of the expert's
+   gate and up projections; weight tiles are dequantized in registers (w = q * s for FP8 with
+   per-channel or block scales; w = (q - z) * s for INT4), rounded to the activation dtype like
+   the reference, and multiplied on the tensor cores; writes act(gate) * up per padded row.
+3. down: the same blocks times the expert's down projection, times each pair's routing weight,
+   written per pair; 4. the K pairs of each token are summed.
+
+Weight formats (``FORMAT``): 0 FP8 per-channel (w [E, N, K], s [E, N]); 1 FP8 block (s [E,
+N/bn, K/bk]); 2 INT4 in pagoda's kernel layout (qweight [E, K/8, N], scales/zeros [E, K/G, N]).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagoda_quant.kernels._triton import interpreting
+
+
+@triton.jit
+def _w_tile(w_ptr, s_ptr, z_ptr, expert, n, k, N, K, stride_we, stride_wa, stride_se, stride_sa,
+            FORMAT: tl.constexpr, BLOCK_SN, BLOCK_SK, GROUP):
+    """Dequantized float32 W^T tile [len(k), len(n)] of one expert (n: outputs, k: inputs)."""
+    mask = (k[:, None] < K) & (n[None, :] < N)
+    e = expert.to(tl.int64)
+    if FORMAT == 2:  # int4: qweight [E, K/8, N]; scales/zeros [E, K/G, N] share strides
+        packed = tl.load(w_ptr + e * stride_we + (k[:, None] // 8) * stride_wa + n[None, :], mask=mask, other=0)
+        q = ((packed >> ((k[:, None] % 8) * 4)) & 0xF).to(tl.float32)
+        g = k // GROUP
+        s = tl.load(s_ptr + e * stride_se + g[:, None] * stride_sa + n[None, :], mask=mask, other=0.0)
+        z = tl.load(z_ptr + e * stride_se + g[:, None] * stride_sa + n[None, :], mask=mask, other=0.0)
+        return (q - z.to(tl.float32)) * s.to(tl.float32)
+    w = tl.load(w_ptr + e * stride_we + n[None, :].to(tl.int64) * stride_wa + k[:, None], mask=mask,
+                other=0.0).to(tl.float32)
+    if FORMAT == 0:  # per output channel: s [E, N]
+        s = tl.load(s_ptr + e * stride_se + n, mask=n < N, other=0.0)
+        return w * s[None, :]
+    s = tl.load(s_ptr + e * stride_se + (n[None, :] // BLOCK_SN) * stride_sa + k[:, None] // BLOCK_SK, mask=mask,
+                other=0.0)
+    return w * s
+
+
+@triton.jit
+def _gate_up_kernel(h_ptr, stride_ht, w_ptr, s_ptr, z_ptr, stride_we, stride_wa, stride_se, stride_sa,
+                    out_ptr, stride_ot, pairs_ptr, block_expert_ptr, num_pairs, num_experts, H, inner,
+                    BLOCK_SN, BLOCK_SK, GROUP, TOPK: tl.constexpr, FORMAT: tl.constexpr, ACT: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= num_experts:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pairs_ptr + rows)
+    rmask = pair < num_pairs
+    token = (pair // TOPK).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(h_ptr + token[:, None] * stride_ht + k[None, :], mask=rmask[:, None] & (k[None, :] < H),
+                    other=0.0)
+        wg = _w_tile(w_ptr, s_ptr, z_ptr, expert, n, k, inner, H, stride_we, stride_wa, stride_se, stride_sa,
+                     FORMAT, BLOCK_SN, BLOCK_SK, GROUP).to(dtype)
+        # up rows follow the gate rows; a column past the gate's end lands past 2 * inner: masked
+        wu = _w_tile(w_ptr, s_ptr, z_ptr, expert, inner + n, k, 2 * inner, H, stride_we, stride_wa, stride_se,
+                     stride_sa, FORMAT, BLOCK_SN, BLOCK_SK, GROUP).to(dtype)
+        if UPCAST:
+            a = a.to(tl.float32)
+            wg = wg.to(tl.float32)
+            wu = wu.to(tl.float32)
+        acc_gate += tl.dot(a, wg)
+        acc_up += tl.dot(a, wu)
+    gate = acc_gate.to(dtype).to(tl.float32)
+    up = acc_up.to(dtype).to(tl.float32)
+    if ACT == "silu":
+        act = gate / (1.0 + tl.exp(-gate))
+    else:  # gelu, tanh approximation
+        t = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        act = 0.5 * gate * (2.0 / (1.0 + tl.exp(-2.0 * t)))
+    y = act.to(dtype).to(tl.float32) * up
+    mask = rmask[:, None] & (n[None, :] < inner)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + n[None, :], y.to(dtype), mask=mask)
+
+
+@triton.jit
+def _down_kernel(x_ptr, stride_xt, w_ptr, s_ptr, z_ptr, stride_we, stride_wa, stride_se, stride_sa,
+                 out_ptr, stride_ot, pairs_ptr, block_expert_ptr, weights_ptr, num_pairs, num_experts, H, inner,
+                 BLOCK_SN, BLOCK_SK, GROUP, FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= num_experts:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pairs_ptr + rows)
+    rmask = pair < num_pairs
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    dtype = out_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inner, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xt + k[None, :],
+                    mask=rmask[:, None] & (k[None, :] < inner), other=0.0)
+        w = _w_tile(w_ptr, s_ptr, z_ptr, expert, n, k, H, inner, stride_we, stride_wa, stride_se, stride_sa,
+                    FORMAT, BLOCK_SN, BLOCK_SK, GROUP).to(dtype)
+        if UPCAST:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc += tl.dot(a, w)
+    route = tl.load(weights_ptr + pair, mask=rmask, other=0.0).to(dtype).to(tl.float32)
+    y = acc.to(dtype).to(tl.float32) * route[:, None]
+    mask = rmask[:, None] & (n[None, :] < H)
+    tl.store(out_ptr + pair[:, None].to(tl.int64) * stride_ot + n[None, :], y.to(dtype), mask=mask)
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(sorted pair ids [padded rows] with num_pairs as filler, expert of each block, num_pairs)."""
+    num_pairs = topk_ids.numel()
+    ids = topk_ids.reshape(-1).long()
+    ids = torch.where((ids >= 0) & (ids < num_experts), ids, torch.full_like(ids, num_experts))
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=ids.device)
+    counts.scatter_add_(0, ids, torch.ones_like(ids))
+    counts = counts[:num_experts]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_start = torch.cumsum(padded, 0) - padded  # first padded row of each expert
+    start = torch.cumsum(counts, 0) - counts  # first sorted pair of each expert
+    max_rows = triton.cdiv(num_pairs, block_m) * block_m + num_experts * block_m
+    order = torch.argsort(ids, stable=True)
+    sorted_ids = ids[order]
+    valid = sorted_ids < num_experts
+    expert_of = sorted_ids.clamp(max=num_experts - 1)
+    position = padded_start[expert_of] + torch.arange(num_pairs, device=ids.device) - start[expert_of]
+    position = torch.where(valid, position, torch.full_like(position, max_rows))  # dropped: past the end
+    pairs = torch.full((max_rows + 1,), num_pairs, dtype=torch.int32, device=ids.device)
+    pairs.scatter_(0, position, order.to(torch.int32))
+    block_ends = torch.cumsum(padded, 0) // block_m  # blocks [end[e-1], end[e]) belong to expert e
+    blocks = torch.arange(max_rows // block_m, device=ids.device)
+    block_expert = torch.searchsorted(block_ends, blocks, right=True).to(torch.int32)  # E past the end
+    return pairs[:max_rows], block_expert, num_pairs
+
+
+def _weight_args(w) -> tuple:
+    """(FORMAT, weight, scales, zeros, strides..., BLOCK_SN, BLOCK_SK, GROUP) of ExpertWeights."""
+    fmt, weight, scales, zeros, block, group = w.kernel_tensors()
+    zeros = zeros if zeros is not None else scales
+    return (fmt, weight, scales, zeros, weight.stride(0), weight.stride(1), scales.stride(0),
+            scales.stride(1) if scales.dim() > 2 else 0, block[0], block[1], group)
+
+
+def fused_moe_quant(hidden: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    activation: str = "silu") -> torch.Tensor:
+    t, topk = topk_ids.shape
+    h = hidden.shape[-1]
+    num_experts = w13.num_experts
+    inner = w2.in_features
+    block_m = 16 if t * topk < 32 * num_experts else 64  # few rows per expert: less padding
+    block_n, block_k = 64, 64
+    pairs, block_expert, num_pairs = align(topk_ids, num_experts, block_m)
+    up = torch.empty((pairs.numel(), inner), dtype=hidden.dtype, device=hidden.device)
+    upcast = interpreting()
+    f13, wt13, s13, z13, swe, swa, sse, ssa, bn, bk, g13 = _weight_args(w13)
+    grid = (block_expert.numel(), triton.cdiv(inner, block_n))
+    _gate_up_kernel[grid](hidden, hidden.stride(0), wt13, s13, z13, swe, swa, sse, ssa, up, up.stride(0), pairs,
+                          block_expert, num_pairs, num_experts, h, inner, bn, bk, g13, TOPK=topk, FORMAT=f13,
+                          ACT=activation, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast,
+                          num_warps=4)
+    out = torch.zeros((num_pairs, h), dtype=hidden.dtype, device=hidden.device)
+    f2, wt2, s2, z2, swe, swa, sse, ssa, bn, bk, g2 = _weight_args(w2)
+    grid = (block_expert.numel(), triton.cdiv(h, block_n))
+    _down_kernel[grid](up, up.stride(0), wt2, s2, z2, swe, swa, sse, ssa, out, out.stride(0), pairs, block_expert,
+                       topk_weights.reshape(-1).contiguous(), num_pairs, num_experts, h, inner, bn, bk, g2,
+                       FORMAT=f2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, num_warps=4)
+    return out.view(t, topk, h).sum(dim=1)
