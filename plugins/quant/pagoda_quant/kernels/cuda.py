@@ -14,6 +14,7 @@ paths are CUDA-graph safe: no host synchronisation and no data-dependent Python 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -31,12 +32,17 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 def _use_scaled_mm(x: torch.Tensor, n: int, k: int) -> bool:
     if os.environ.get("PAGODA_QUANT_FP8_GEMM", "auto") == "triton" or _scaled_mm_state.get("broken"):
         return False
     if x.dtype != torch.bfloat16 or n % 16 or k % 16 or not hasattr(torch, "_scaled_mm"):
         return False
-    return torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return _capability(x.device) >= (9, 0)  # row-wise scaled FP8 GEMMs: Hopper and later
 
 
 def fp8_linear(x, weight, weight_scale, input_scale=None, bias=None):
