@@ -20,11 +20,37 @@ def load_hf_config(directory: Path):
         raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
     if not raw.get("model_type"):
         raise ModelLoadError(f"{path} has no 'model_type' key")
+    plugin_config = _plugin_config_class(raw)
     try:
+        if plugin_config is not None:
+            return plugin_config.from_pretrained(str(directory))
         return AutoConfig.from_pretrained(str(directory))
     except Exception as exc:
         raise ModelLoadError(f"{path} could not be read by transformers' AutoConfig "
                              f"(model_type {raw.get('model_type')!r}): {exc}") from exc
+
+
+def _plugin_config_class(raw: dict):
+    """The config class a model plugin brings for a model type transformers does not know:
+    ``HF_CONFIG_CLASS`` (a class or ``"module:Class"``) on the registered model class of the
+    config's architecture. None when transformers knows the model type or no plugin brings one."""
+    from transformers import CONFIG_MAPPING
+
+    if raw["model_type"] in CONFIG_MAPPING:
+        return None
+    from pagoda.plugins import get_registry
+    from pagoda.registry import resolve_lazy
+
+    reg = get_registry()
+    for arch in raw.get("architectures") or []:
+        if arch in reg.models:
+            try:
+                target = getattr(resolve_lazy(reg.models.entries[arch].obj), "HF_CONFIG_CLASS", None)
+                return resolve_lazy(target) if target is not None else None
+            except Exception as exc:
+                raise ModelLoadError(f"architecture {arch} (from {reg.models.entries[arch].provider}): its config "
+                                     f"class failed to import: {type(exc).__name__}: {exc}") from exc
+    return None
 
 
 def safetensors_files(directory: Path) -> list[Path]:

@@ -1,0 +1,1 @@
+"""pagoda-granite: IBM Granite for pagoda, the smallest third-party model plugin."""
