@@ -17,6 +17,7 @@ KERNELS = {
     "silu_and_mul": "pagoda_cuda.ops.activation:silu_and_mul",
     "gelu_tanh_and_mul": "pagoda_cuda.ops.activation:gelu_tanh_and_mul",
     "store_kv_cache": "pagoda_cuda.ops.kv_store:store_kv_cache",
+    "store_mla_cache": "pagoda_cuda.attention.mla_decode:store_mla_cache",
     "fused_moe": "pagoda_cuda.ops.moe:fused_moe",
 }
 KERNEL_PRIORITY = 10
@@ -32,8 +33,10 @@ def register_platforms(register):
 @hookimpl
 def register_attention_backends(register):
     from pagoda_cuda.attention.backend import TritonPagedAttention
+    from pagoda_cuda.attention.mla_backend import TritonMLAAttention
 
     register(TritonPagedAttention())
+    register(TritonMLAAttention())
 
 
 @hookimpl

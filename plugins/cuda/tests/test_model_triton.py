@@ -8,8 +8,16 @@ from pagoda.plugins import get_registry
 from pagoda.testing import hf_greedy_tokens, hf_prompt_logits, make_tiny_checkpoint, random_prompts
 from pagoda_cuda.plugin import KERNELS
 
-TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32, max_position_embeddings=128)
+BASE = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128)
+MODELS = {
+    "qwen3": dict(BASE, head_dim=32),
+    "qwen3_moe": dict(BASE, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                      norm_topk_prob=True),
+    "deepseek_v3": dict(BASE, num_key_value_heads=4, moe_intermediate_size=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                        qk_nope_head_dim=16, v_head_dim=12, first_k_dense_replace=1, q_lora_rank=32,
+                        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1),
+}
 
 
 @pytest.fixture
@@ -29,17 +37,20 @@ def triton_ops_here(device):
     kernels.activate(kernels.active_platform())
 
 
-def test_tiny_qwen3_matches_transformers(tmp_path, device, triton_ops_here):
-    path = make_tiny_checkpoint("qwen3", tmp_path, seed=1, **TINY)
+@pytest.mark.parametrize("model_type", list(MODELS))
+def test_tiny_model_matches_transformers(tmp_path, device, triton_ops_here, model_type):
+    path = make_tiny_checkpoint(model_type, tmp_path, seed=1, **MODELS[model_type])
     prompts = random_prompts(4, 320, 5, 30, seed=7)
-    want = hf_greedy_tokens(path, prompts, 10)
-    llm = LLM(model=str(path), device=device.type, dtype="float32", attention_backend="triton", num_kv_blocks=48,
+    want = hf_greedy_tokens(path, prompts, 8)
+    backend = "triton_mla" if model_type == "deepseek_v3" else "triton"
+    llm = LLM(model=str(path), device=device.type, dtype="float32", attention_backend=backend, num_kv_blocks=48,
               block_size=8, max_num_batched_tokens=24, max_model_len=64, enforce_eager=True)
-    assert type(llm.engine.runner.backends["mha"]).__name__ == "TritonPagedAttention"
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert {b.name for b in llm.engine.runner.backends.values()} == {backend}
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     if device.type == "cpu":
-        assert {kernels.selected_providers()[op] for op in ("rotary_embedding", "rms_norm", "silu_and_mul",
-                                                            "fused_add_rms_norm")} == {"pagoda-cuda (test)"}
+        ops = ["rotary_embedding", "rms_norm", "fused_add_rms_norm"]
+        ops += ["fused_moe"] if model_type != "qwen3" else ["silu_and_mul"]
+        assert {kernels.selected_providers()[op] for op in ops} == {"pagoda-cuda (test)"}
     assert [o.outputs[0].token_ids for o in outs] == want
     ours = llm.prompt_logits(prompts[0])
     torch.testing.assert_close(ours, hf_prompt_logits(path, prompts[0]), atol=3e-4, rtol=3e-4)

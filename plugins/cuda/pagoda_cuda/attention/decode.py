@@ -154,9 +154,11 @@ def decode_config(head: int, group: int) -> tuple[int, int, int]:
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, out: torch.Tensor, scale: float, num_splits: int,
-                 sliding_window: int | None = None, soft_cap: float | None = None) -> None:
+                 sliding_window: int | None = None, soft_cap: float | None = None,
+                 config: tuple[int, int, int] | None = None) -> None:
     """q [B, nq, D] (one token per sequence), caches [num_blocks, block_size, nk, D],
-    block_tables [B, W] (any strides), seq_lens [B] int32 -> out [B, nq, D]."""
+    block_tables [B, W] (any strides), seq_lens [B] int32 -> out [B, nq, D]. ``config``
+    (BLOCK_N, num_warps, num_stages) overrides ``decode_config`` (kernel sweeps)."""
     b, nq, head = q.shape
     if b == 0:
         return
@@ -164,7 +166,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     group = nq // nk
     block_h = max(16, next_pow2(group))
     block_d = max(16, next_pow2(head))
-    block_n, num_warps, num_stages = decode_config(head, group)
+    block_n, num_warps, num_stages = config or decode_config(head, group)
     upcast = interpreting()
     ieee = q.dtype == torch.float32
     common = dict(GROUP=group, BLOCK_H=block_h, HEAD=head, BLOCK_D=block_d, BLOCK_N=block_n, PAGE=page,

@@ -24,9 +24,10 @@ def _tanh(x):
 
 @triton.jit
 def _prefill_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, stride_cs, stride_ch,
-                    tables_ptr, stride_tb, stride_tn, seq_lens_ptr, qsl_ptr, tile_map_ptr,
-                    out_ptr, stride_ot, stride_oh, scale, soft_cap, window,
-                    GROUP: tl.constexpr, HEAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    stride_vb, stride_vs, stride_vh, tables_ptr, stride_tb, stride_tn, seq_lens_ptr, qsl_ptr,
+                    tile_map_ptr, out_ptr, stride_ot, stride_oh, scale, soft_cap, window,
+                    GROUP: tl.constexpr, HEAD: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_V: tl.constexpr,
+                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, USE_WINDOW: tl.constexpr,
                     USE_CAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     tile = tl.program_id(0)
@@ -57,17 +58,19 @@ def _prefill_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, st
         lo = (lo // BLOCK_N) * BLOCK_N
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dv = tl.arange(0, BLOCK_DV)
+    dvmask = dv < HEAD_V
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     table_row = tables_ptr + seq.to(tl.int64) * stride_tb
-    head_off = kvh.to(tl.int64) * stride_ch
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < hi
         page = tl.load(table_row + (n // PAGE) * stride_tn, mask=nmask, other=0).to(tl.int64)
-        off = page * stride_cb + (n % PAGE).to(tl.int64) * stride_cs + head_off
-        kvmask = nmask[:, None] & dmask[None, :]
-        k = tl.load(k_cache + off[:, None] + d[None, :], mask=kvmask, other=0.0)
-        v = tl.load(v_cache + off[:, None] + d[None, :], mask=kvmask, other=0.0)
+        in_page = (n % PAGE).to(tl.int64)
+        k_off = page * stride_cb + in_page * stride_cs + kvh.to(tl.int64) * stride_ch
+        v_off = page * stride_vb + in_page * stride_vs + kvh.to(tl.int64) * stride_vh
+        k = tl.load(k_cache + k_off[:, None] + d[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0)
+        v = tl.load(v_cache + v_off[:, None] + dv[None, :], mask=nmask[:, None] & dvmask[None, :], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -101,12 +104,12 @@ def _prefill_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, st
         m_i = m_new
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=mmask[:, None] & dmask[None, :])
+    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + dv[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=mmask[:, None] & dvmask[None, :])
 
 
 def prefill_config(head: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a head size."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a head size (the wider of K and V)."""
     if next_pow2(head) >= 256:
         return 64, 32, 8, 2
     return 64, 64, 4, 2
@@ -128,18 +131,23 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, tile_map: torch.Tensor,
                   out: torch.Tensor, scale: float, sliding_window: int | None = None,
                   soft_cap: float | None = None) -> None:
-    """q/out [T, nq, D] over the whole batch (rows addressed through query_start_loc);
-    tile_map [num_tiles, 2] int32 from ``build_tile_map`` with the same BLOCK_M."""
+    """q [T, nq, D], out [T, nq, Dv] over the whole batch (rows addressed through
+    query_start_loc); caches [num_blocks, block_size, nk, D] and [..., Dv] (Dv may differ from
+    D: MLA's expanded keys and values); tile_map [num_tiles, 2] int32 from ``build_tile_map``
+    with BLOCK_M of ``prefill_config(max(D, Dv))``."""
     num_tiles = tile_map.shape[0]
     if num_tiles == 0:
         return
     _, nq, head = q.shape
+    head_v = v_cache.shape[-1]
     nk, page = k_cache.shape[2], k_cache.shape[1]
-    block_m, block_n, num_warps, num_stages = prefill_config(head)
+    block_m, block_n, num_warps, num_stages = prefill_config(max(head, head_v))
     _prefill_kernel[(num_tiles, nq)](
         q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables, block_tables.stride(0), block_tables.stride(1), seq_lens, query_start_loc, tile_map,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables, block_tables.stride(0),
+        block_tables.stride(1), seq_lens, query_start_loc, tile_map,
         out, out.stride(0), out.stride(1), float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
-        GROUP=nq // nk, HEAD=head, BLOCK_D=max(16, next_pow2(head)), BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
+        GROUP=nq // nk, HEAD=head, BLOCK_D=max(16, next_pow2(head)), HEAD_V=head_v,
+        BLOCK_DV=max(16, next_pow2(head_v)), BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
         USE_WINDOW=bool(sliding_window), USE_CAP=bool(soft_cap), UPCAST=interpreting(),
         IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)

@@ -1,0 +1,135 @@
+"""The ``triton_mla`` backend: MLA over the paged latent cache (interface: ``pagoda.layers.mla``).
+
+Decodes attend over the latent with the absorbed projections (``mla_decode``), bracketed by
+two batched matmuls (q_nope @ w_uk before, latent @ w_uv^T after); graph-capturable. Prefill
+chunks expand each prefill sequence's cached latents into per-head keys [S, N, P + R] and
+values [S, N, V] and run the paged prefill kernel over them as a cache of one-token pages.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+
+from pagoda.interfaces import AttentionBackend, AttentionSpec
+
+
+@dataclass
+class MLAStepData:
+    num_splits: dict[int, int] = field(default_factory=dict)  # heads -> decode splits
+    prefill: dict | None = None  # host-built index tensors of the expanded prefill
+
+
+class TritonMLAAttention(AttentionBackend):
+    name = "triton_mla"
+    priority = 10
+    platforms = ("cuda", "cpu")  # cpu only under TRITON_INTERPRET=1 (tests)
+    auto_platforms = ("cuda",)
+    kinds = ("mla",)
+    dtypes = ("float32", "float16", "bfloat16")
+    supports_graphs = True
+
+    def supports(self, platform: str, dtype: str, spec: AttentionSpec) -> str | None:
+        why = super().supports(platform, dtype, spec)
+        if why is not None:
+            return why
+        if platform == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            return "runs on cpu only under the Triton interpreter (TRITON_INTERPRET=1)"
+        if importlib.util.find_spec("triton") is None:
+            return "needs the triton package (pip install triton)"
+        if spec.kv_lora_rank > 1024 or spec.qk_rope_head_dim > 256:
+            return (f"supports kv_lora_rank <= 1024 and qk_rope_head_dim <= 256, not "
+                    f"{spec.kv_lora_rank} and {spec.qk_rope_head_dim}")
+        return None
+
+    def prepare(self, meta) -> MLAStepData:
+        return MLAStepData()
+
+    def forward(self, layer, q, k, v, kv_cache, meta):
+        raise NotImplementedError("triton_mla runs MLA layers (forward_mla), not multi-head attention")
+
+    def _prefill_index(self, meta, data: MLAStepData, device) -> dict:
+        """Per prefill sequence: its cached tokens' slots, one-token-page tables and offsets."""
+        if data.prefill is None:
+            import numpy as np
+            import torch
+
+            from pagoda_cuda.attention.prefill import build_tile_map, prefill_config
+
+            nd = meta.num_decodes
+            lens = np.asarray(meta.seq_lens_cpu[nd:], dtype=np.int64)
+            qsl = np.asarray(meta.query_start_loc_cpu[nd:], dtype=np.int64) - meta.query_start_loc_cpu[nd]
+            offsets = np.concatenate(([0], np.cumsum(lens)))
+            seq_of = np.repeat(np.arange(len(lens)), lens)
+            pos = np.arange(offsets[-1]) - offsets[:-1][seq_of]
+            width = int(lens.max())
+            tables = np.where(np.arange(width)[None, :] < lens[:, None], offsets[:-1, None] + np.arange(width), 0)
+
+            def dev(a, dtype):
+                return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype, non_blocking=True)
+
+            data.prefill = {
+                "seq_of": dev(seq_of + nd, torch.int64), "pos": dev(pos, torch.int64),
+                "tables": dev(tables, torch.int32), "seq_lens": dev(lens, torch.int32),
+                "qsl": dev(qsl, torch.int32), "total": int(offsets[-1]),
+                "tile_maps": {}, "qsl_host": qsl.tolist(), "build_tile_map": build_tile_map,
+                "prefill_config": prefill_config,
+            }
+        return data.prefill
+
+    def forward_mla(self, layer, q_nope, q_pe, kv_c_normed, k_pe, kv_cache, meta):
+        import torch
+
+        from pagoda_cuda.attention.mla_decode import mla_decode, mla_splits, store_mla_cache
+
+        spec = layer.spec
+        t, heads = q_nope.shape[0], q_nope.shape[1]
+        lora = spec.kv_lora_rank
+        store_mla_cache(kv_c_normed, k_pe, kv_cache, meta.slot_mapping[:t])
+        w_uk, w_uv = layer.absorbed_weights()  # [N, P, L], [N, V, L]
+        out = q_nope.new_empty(t, heads, w_uv.shape[1])
+        data = meta.backend_data if isinstance(meta.backend_data, MLAStepData) else MLAStepData()
+        nd = meta.num_decodes
+        if nd:
+            splits = data.num_splits.get(heads)
+            if splits is None:
+                splits = data.num_splits[heads] = mla_splits(nd, heads, meta.max_seq_len, q_nope.device)
+            q_lat = torch.bmm(q_nope[:nd].transpose(0, 1), w_uk).transpose(0, 1)  # [nd, N, L]
+            o_lat = torch.empty((nd, heads, lora), dtype=q_nope.dtype, device=q_nope.device)
+            q_pe_d = q_pe[:nd] if q_pe.stride(-1) == 1 else q_pe[:nd].contiguous()
+            mla_decode(q_lat, q_pe_d, kv_cache, meta.block_tables, meta.seq_lens, o_lat, spec.scale, splits)
+            out[:nd] = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        if meta.num_seqs > nd:
+            if meta.for_graph:
+                raise RuntimeError("the triton_mla backend captures decode-only batches; this one has prefills")
+            self._prefill(layer, q_nope[nd:], q_pe[nd:], kv_cache, meta, data, out[nd:], w_uk, w_uv)
+        return out
+
+    def _prefill(self, layer, q_nope, q_pe, kv_cache, meta, data, out, w_uk, w_uv) -> None:
+        import torch
+
+        from pagoda_cuda.attention.prefill import paged_prefill
+
+        spec = layer.spec
+        lora = spec.kv_lora_rank
+        idx = self._prefill_index(meta, data, q_nope.device)
+        heads, nope = w_uk.shape[0], w_uk.shape[1]
+        # gather every prefill sequence's cached latents (the new tokens are stored already)
+        block = meta.block_size
+        pages = meta.block_tables[idx["seq_of"], idx["pos"] // block].long()
+        entries = kv_cache.view(-1, kv_cache.shape[-1]).index_select(0, pages * block + idx["pos"] % block)
+        entries = entries.to(q_nope.dtype)
+        latent, rope = entries[:, :lora], entries[:, lora:]
+        total = idx["total"]
+        keys = torch.empty((total, 1, heads, nope + rope.shape[-1]), dtype=q_nope.dtype, device=q_nope.device)
+        keys[:, 0, :, :nope] = torch.matmul(latent.unsqueeze(0), w_uk.transpose(1, 2)).transpose(0, 1)
+        keys[:, 0, :, nope:] = rope.unsqueeze(1)
+        values = torch.matmul(latent.unsqueeze(0), w_uv.transpose(1, 2)).transpose(0, 1).unsqueeze(1)
+        q = torch.cat((q_nope, q_pe), dim=-1)
+        block_m = idx["prefill_config"](max(keys.shape[-1], values.shape[-1]))[0]
+        tiles = idx["tile_maps"].get(block_m)
+        if tiles is None:
+            host = idx["build_tile_map"](idx["qsl_host"], 0, block_m)
+            tiles = idx["tile_maps"][block_m] = torch.from_numpy(host).to(q.device)
+        paged_prefill(q, keys, values, idx["tables"], idx["seq_lens"], idx["qsl"], tiles, out, spec.scale)
