@@ -25,12 +25,16 @@ DEEPSEEK = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_int
                 num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
                 num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=32,
                 kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=256)
-ARCHS = {"llama": TINY, "qwen2": TINY, "qwen3": dict(TINY, head_dim=32), "deepseek_v3": DEEPSEEK}
+QWEN3_MOE = dict(TINY, head_dim=32, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                 norm_topk_prob=True)
+ARCHS = {"llama": TINY, "qwen2": TINY, "qwen3": dict(TINY, head_dim=32), "qwen3_moe": QWEN3_MOE,
+         "deepseek_v3": DEEPSEEK}
 # name: (architecture, format, options); "skip" modules stay in full precision in the checkpoint
 CASES = {
     "fp8-block": ("llama", "fp8-block", dict(block=(32, 32), skip=["model.layers.1.mlp.down_proj"])),
     "fp8-block-deepseek_v3": ("deepseek_v3", "fp8-block", dict(block=(16, 16))),
     "fp8-tensor-static": ("qwen2", "fp8", dict(skip=["model.layers.0.self_attn.o_proj"], calibrate=True)),
+    "fp8-tensor-static-moe": ("qwen3_moe", "fp8", dict(calibrate=True)),
     "gptq-actorder": ("qwen2", "gptq", dict(group_size=32, desc_act=True, symmetric=True)),
     "gptq-v2-asym": ("llama", "gptq", dict(group_size=16, symmetric=False, v2=True)),
     "awq": ("qwen3", "awq", dict(group_size=32)),
@@ -94,9 +98,11 @@ def test_checkpoint_is_in_the_format(case):
         assert tensors.get_tensor(f"{layer}.weight").dtype == torch.float8_e4m3fn
         assert tensors.get_tensor(f"{layer}.weight_scale_inv").dtype == torch.float32
     elif fmt == "fp8":
-        assert config["activation_scheme"] == "static" and config["ignored_layers"] == opts["skip"]
+        assert config["activation_scheme"] == "static" and config["ignored_layers"] == opts.get("skip", [])
+        layer = "model.layers.0.mlp.experts.3.up_proj" if "moe" in name else layer
         assert tensors.get_tensor(f"{layer}.weight_scale").shape == ()
-        assert f"{layer}.input_scale" in keys and "model.layers.0.self_attn.o_proj.weight_scale" not in keys
+        assert f"{layer}.input_scale" in keys
+        assert ("model.layers.0.self_attn.o_proj.weight_scale" in keys) == ("skip" not in opts)
     elif fmt == "gptq":
         assert (config["bits"], config["desc_act"]) == (4, opts["desc_act"] if "desc_act" in opts else False)
         assert config["checkpoint_format"] == ("gptq_v2" if opts.get("v2") else "gptq")

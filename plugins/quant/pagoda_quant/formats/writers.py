@@ -138,7 +138,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str, skip: list[s
     """Write ``src`` (a safetensors checkpoint directory) quantized as ``fmt`` into ``dst``.
 
     ``skip``: module name fragments left in full precision (listed in the config too);
-    ``input_amax``: module -> activation amax (fp8 static). Returns the state dict with every
+    ``input_amax``: module -> activation amax (fp8 static; modules it lacks take its largest
+    value). Returns the state dict with every
     quantized weight replaced by what it dequantizes to (the reference to compare against).
     """
     from safetensors.torch import load_file, save_file
@@ -158,7 +159,10 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str, skip: list[s
         if fmt == "fp8-block":
             tensors, deq = fp8_block_tensors(tensor, tuple(opts.get("block", (128, 128))))
         elif fmt == "fp8":
-            tensors, deq = fp8_tensor_tensors(tensor, (input_amax or {}).get(module))
+            # static: every layer needs an input scale; one missing from the calibration (e.g. an
+            # expert no calibration token reached) takes the largest calibrated amax
+            amax = None if not input_amax else input_amax.get(module, max(input_amax.values()))
+            tensors, deq = fp8_tensor_tensors(tensor, amax)
         elif fmt == "gptq":
             tensors, deq = gptq_tensors(tensor, opts.get("group_size", 128), opts.get("symmetric", True),
                                         opts.get("desc_act", False), opts.get("v2", False), seed=_input_seed(module))

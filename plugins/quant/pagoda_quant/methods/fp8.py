@@ -148,7 +148,7 @@ class Fp8Config(PolicyConfig):
         from pagoda_quant.methods.moe import Fp8ExpertsMethod
 
         if self.checkpoint:
-            return Fp8ExpertsMethod(block=self.block, online=False)
+            return Fp8ExpertsMethod(block=self.block, online=False, static_activations=self.static)
         return Fp8ExpertsMethod(block=self.block, online=True)
 
     def describe(self) -> str:

@@ -82,9 +82,10 @@ def _full_precision(layer, num_experts, hidden, inter, dtype) -> None:
 class Fp8ExpertsMethod(QuantizedExpertsMethod):
     method_name = "fp8"
 
-    def __init__(self, block: tuple[int, int] | None, online: bool):
+    def __init__(self, block: tuple[int, int] | None, online: bool, static_activations: bool = False):
         self.block = block
         self.online = online
+        self.static = static_activations  # the checkpoint has input scales (unused: experts are W8A16)
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype):
         inter = intermediate_size_per_partition
@@ -105,16 +106,20 @@ class Fp8ExpertsMethod(QuantizedExpertsMethod):
         # per-tensor checkpoint: one scale per expert tensor (gate, up | down)
         add_param(layer, "w13_weight_scale", (num_experts, 2), torch.float32, weight_loader=self._scale_loader(layer))
         add_param(layer, "w2_weight_scale", (num_experts,), torch.float32, weight_loader=self._scale_loader(layer))
-        self.inter = inter
+        if self.static:
+            add_param(layer, "w13_input_scale", (num_experts, 2), torch.float32,
+                      weight_loader=self._scale_loader(layer))
+            add_param(layer, "w2_input_scale", (num_experts,), torch.float32, weight_loader=self._scale_loader(layer))
 
     @staticmethod
     def _scale_loader(layer):
         def load(param, loaded, shard_id, expert_id):
             if expert_id is None:
                 raise ModelLoadError(f"{layer_name(layer)}: stacked per-tensor FP8 expert scales are not supported")
-            local = expert_id - layer.expert_start
-            if not 0 <= local < layer.num_local_experts:
-                return
+            shard = getattr(layer, "expert_shard", None)  # expert parallelism: which slot holds it
+            local = shard.slot_of(expert_id) if shard is not None else expert_id
+            if local is None or not 0 <= local < layer.num_local_experts:
+                return  # held by another expert-parallel rank
             target = param.data[local]
             if shard_id in ("w1", "w3"):
                 target = target[0 if shard_id == "w1" else 1]
@@ -134,6 +139,8 @@ class Fp8ExpertsMethod(QuantizedExpertsMethod):
                 replace_param(layer, f"{which}_weight", torch.stack([p[0] for p in pairs]))
                 replace_param(layer, f"{which}_weight_scale_inv", torch.stack([p[1] for p in pairs]))
             elif self.block is None:
+                if self.static:
+                    del layer._parameters[f"{which}_input_scale"]
                 scale = getattr(layer, f"{which}_weight_scale").data
                 rows = w.shape[1]
                 channel = scale.repeat_interleave(rows // 2, dim=1) if which == "w13" else \
