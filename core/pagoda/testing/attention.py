@@ -8,7 +8,6 @@ each attention layer's [num_heads, n, n] map; ``head_statistics`` summarises a m
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -112,6 +111,3 @@ def capture_statistics(capture: AttentionCapture, layers: list[int], heads: list
             rows.append({"layer": layer, "head": head, **head_statistics(capture.maps[layer][head])})
     return rows
 
-
-def max_entropy(n: int) -> float:
-    return math.log(n) if n > 0 else 0.0
