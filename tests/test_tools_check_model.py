@@ -126,6 +126,10 @@ def test_tiny_variants_keep_the_settings_that_change_the_math():
     assert len(fields["rope_scaling"]["long_factor"]) == fields["head_dim"] // 2
     assert fields["bos_token_id"] < 320
     assert (fields["n_group"], fields["topk_group"], fields["n_routed_experts"]) == (4, 2, 16)
+    partial = shrink_config({"hidden_size": 3072, "num_attention_heads": 24, "partial_rotary_factor": 0.75,
+                             "rope_scaling": {"type": "longrope", "long_factor": [1.0] * 48,
+                                              "short_factor": [1.0] * 48}})
+    assert len(partial["rope_scaling"]["short_factor"]) == int(16 * 0.75) // 2  # head_dim 64 / 4 heads
 
 
 def test_kv_bytes_the_architecture_implies():

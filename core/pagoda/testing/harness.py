@@ -95,6 +95,9 @@ def resolve_target(target: str) -> Target:
     config_file = path / "config.json" if path.is_dir() else path
     if path.is_dir() and not config_file.is_file():
         raise ConfigError(f"{path}: a directory to check needs a config.json")
+    if path.is_file() and path.suffix != ".json":
+        raise ConfigError(f"{path}: check-model takes an architecture name, a config.json or an HF checkpoint "
+                          f"directory (safetensors), not a {path.suffix or 'plain'} file")
     if config_file.is_file():
         try:
             raw = json.loads(config_file.read_text())

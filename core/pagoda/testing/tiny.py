@@ -81,13 +81,13 @@ def default_config_dict(model_type: str) -> dict:
     return CONFIG_MAPPING[model_type]().to_dict()
 
 
-def _shrink_rope(params: dict | None, head_dim: int) -> dict | None:
+def _shrink_rope(params: dict | None, head_dim: int, partial_rotary_factor: float) -> dict | None:
     if not isinstance(params, dict) or not params:
         return params
     out = dict(params)
     if "original_max_position_embeddings" in out:
         out["original_max_position_embeddings"] = ORIGINAL_POSITIONS
-    rotary = int(head_dim * float(out.get("partial_rotary_factor", 1.0)))
+    rotary = int(head_dim * float(out.get("partial_rotary_factor", partial_rotary_factor)))
     for key in ("short_factor", "long_factor"):  # LongRoPE: one factor per rotated frequency
         factors = out.get(key)
         if isinstance(factors, list) and factors:
@@ -139,7 +139,7 @@ def shrink_config(source: dict, mha: bool | None = None) -> dict:
         out["original_max_position_embeddings"] = ORIGINAL_POSITIONS
     for key in ("rope_parameters", "rope_scaling"):
         if key in out:
-            out[key] = _shrink_rope(out[key], head_dim)
+            out[key] = _shrink_rope(out[key], head_dim, source.get("partial_rotary_factor") or 1.0)
     if isinstance(source.get("layer_types"), list) and len(set(source["layer_types"])) > 1:
         out["layer_types"] = list(source["layer_types"][:LAYERS])  # a real mix: keep its first layers
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
