@@ -109,7 +109,14 @@ class ModelRunner:
         return ForwardContext(attn_metadata=meta, backends=self.backends, token_seq_lens=inputs.token_seq_lens)
 
     def _accumulate_experts(self, ctx: ForwardContext) -> None:
-        for name, counts in ctx.expert_counts.items():
+        found = ctx.expert_counts
+        if not found:
+            return
+        if found.keys() <= self.expert_counts.keys():  # the usual case: one launch for every layer
+            names = list(found)
+            torch._foreach_add_([self.expert_counts[n] for n in names], [found[n] for n in names])
+            return
+        for name, counts in found.items():
             acc = self.expert_counts.get(name)
             self.expert_counts[name] = counts.detach().clone() if acc is None else acc.add_(counts)
 

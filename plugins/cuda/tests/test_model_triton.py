@@ -54,3 +54,10 @@ def test_tiny_model_matches_transformers(tmp_path, device, triton_ops_here, mode
     assert [o.outputs[0].token_ids for o in outs] == want
     ours = llm.prompt_logits(prompts[0])
     torch.testing.assert_close(ours, hf_prompt_logits(path, prompts[0]), atol=3e-4, rtol=3e-4)
+    if device.type == "cuda":  # the same through CUDA graphs
+        del llm
+        llm = LLM(model=str(path), device="cuda", dtype="float32", attention_backend=backend, num_kv_blocks=48,
+                  block_size=8, max_num_batched_tokens=24, max_model_len=64, max_num_seqs=8)
+        assert llm.engine.runner.graphs is not None
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in outs] == want

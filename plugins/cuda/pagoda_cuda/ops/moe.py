@@ -27,7 +27,7 @@ from pagoda_cuda._triton import interpreting, next_pow2
 def _gate_up_kernel(h_ptr, stride_ht, w_ptr, stride_we, stride_wn, out_ptr, stride_ot, pairs_ptr,
                     block_expert_ptr, num_pairs, num_experts, H, inner,
                     TOPK: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+                    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert >= num_experts:
@@ -52,8 +52,12 @@ def _gate_up_kernel(h_ptr, stride_ht, w_ptr, stride_we, stride_wn, out_ptr, stri
             a = a.to(tl.float32)
             wg = wg.to(tl.float32)
             wu = wu.to(tl.float32)
-        acc_gate += tl.dot(a, wg)
-        acc_up += tl.dot(a, wu)
+        if IEEE:  # float32 models: no TF32 rounding
+            acc_gate += tl.dot(a, wg, input_precision="ieee")
+            acc_up += tl.dot(a, wu, input_precision="ieee")
+        else:
+            acc_gate += tl.dot(a, wg)
+            acc_up += tl.dot(a, wu)
     dtype = out_ptr.dtype.element_ty
     gate = acc_gate.to(dtype).to(tl.float32)
     up = acc_up.to(dtype).to(tl.float32)
@@ -70,7 +74,8 @@ def _gate_up_kernel(h_ptr, stride_ht, w_ptr, stride_we, stride_wn, out_ptr, stri
 @triton.jit
 def _down_kernel(x_ptr, stride_xt, w_ptr, stride_we, stride_wn, out_ptr, stride_ot, pairs_ptr, block_expert_ptr,
                  weights_ptr, num_pairs, num_experts, H, inner,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                 IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert >= num_experts:
@@ -92,7 +97,10 @@ def _down_kernel(x_ptr, stride_xt, w_ptr, stride_we, stride_wn, out_ptr, stride_
         if UPCAST:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
-        acc += tl.dot(a, w)
+        if IEEE:
+            acc += tl.dot(a, w, input_precision="ieee")
+        else:
+            acc += tl.dot(a, w)
     dtype = out_ptr.dtype.element_ty
     route = tl.load(weights_ptr + pair, mask=rmask, other=0.0).to(dtype).to(tl.float32)
     y = acc.to(dtype).to(tl.float32) * route[:, None]
@@ -173,18 +181,19 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     block_k = min(block_k, max(16, next_pow2(min(h, inner))))
     pairs, block_expert, max_blocks = align(topk_ids, num_experts, block_m)
     upcast = interpreting()
+    ieee = hidden.dtype == torch.float32
     act = torch.empty((max_blocks * block_m, inner), dtype=hidden.dtype, device=hidden.device)
     _gate_up_kernel[(max_blocks, triton.cdiv(inner, block_n))](
         hidden, hidden.stride(0), w13, w13.stride(0), w13.stride(1), act, act.stride(0), pairs, block_expert,
         num_pairs, num_experts, h, inner, TOPK=topk, ACT="silu" if activation == "silu" else "gelu",
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, IEEE=ieee, num_warps=num_warps,
         num_stages=num_stages)
     per_pair = torch.empty((num_pairs, h), dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     _down_kernel[(max_blocks, triton.cdiv(h, block_n))](
         act, act.stride(0), w2, w2.stride(0), w2.stride(1), per_pair, per_pair.stride(0), pairs, block_expert,
         weights, num_pairs, num_experts, h, inner, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        UPCAST=upcast, num_warps=num_warps, num_stages=num_stages)
+        UPCAST=upcast, IEEE=ieee, num_warps=num_warps, num_stages=num_stages)
     ids = topk_ids.reshape(-1).contiguous()
     _combine_kernel[(t, triton.cdiv(h, 1024))](per_pair, ids, out, h, num_experts, TOPK=topk, BLOCK=1024,
                                                num_warps=4)

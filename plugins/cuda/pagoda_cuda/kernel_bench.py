@@ -1,0 +1,141 @@
+"""Kernel timings at real model shapes on a GPU: ``python -m pagoda_cuda.kernel_bench [--json FILE]``.
+
+Each line gives the median time (``triton.testing.do_bench``), the bytes or FLOPs the kernel
+must move or compute, and the rate reached. The decode-attention sweep tries several
+(BLOCK_N, num_warps, num_stages) tiles; ``decode_config`` holds the chosen ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+
+
+def _bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+
+
+def _paged(batch: int, ctx: int, nk: int, hd: int, block: int = 16, dtype=torch.bfloat16):
+    blocks = batch * (-(-ctx // block))
+    cache = torch.randn(2, blocks, block, nk, hd, device="cuda", dtype=dtype)
+    tables = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(batch, -1)
+    lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+    return cache, tables, lens
+
+
+def bench_decode(rows: list, nq: int, nk: int, hd: int, batch: int, ctx: int, sweep: bool) -> None:
+    from pagoda_cuda.attention.decode import choose_splits, decode_config, paged_decode
+
+    cache, tables, lens = _paged(batch, ctx, nk, hd)
+    q = torch.randn(batch, nq, hd, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    nbytes = batch * ctx * nk * hd * 2 * 2
+    splits = choose_splits(batch, nk, ctx, q.device)
+    configs = [decode_config(hd, nq // nk)]
+    if sweep:
+        configs += [(32, 4, 2), (64, 4, 2), (64, 8, 3), (128, 4, 2), (128, 8, 3), (32, 4, 4), (64, 4, 4)]
+    for cfg in dict.fromkeys(configs):
+        try:
+            t = _bench(lambda cfg=cfg: paged_decode(q, cache[0], cache[1], tables, lens, out, hd ** -0.5, splits,
+                                                    config=cfg))
+        except Exception as exc:  # a tile that does not fit (shared memory): report and go on
+            rows.append({"kernel": "decode attention", "shape": f"{batch}x{ctx} nq{nq} nk{nk} d{hd}",
+                         "config": cfg, "error": str(exc).splitlines()[0][:120]})
+            continue
+        rows.append({"kernel": "decode attention", "shape": f"B{batch} ctx{ctx} nq{nq} nk{nk} d{hd} splits{splits}",
+                     "config": cfg, "seconds": t, "GB/s": nbytes / t / 1e9})
+
+
+def bench_prefill(rows: list, nq: int, nk: int, hd: int, seqs: int, length: int) -> None:
+    from pagoda_cuda.attention.prefill import build_tile_map, paged_prefill, prefill_config
+
+    cache, tables, lens = _paged(seqs, length, nk, hd)
+    q = torch.randn(seqs * length, nq, hd, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    qsl = [i * length for i in range(seqs + 1)]
+    tiles = torch.from_numpy(build_tile_map(qsl, 0, prefill_config(hd)[0])).cuda()
+    qsl_t = torch.tensor(qsl, device="cuda", dtype=torch.int32)
+    t = _bench(lambda: paged_prefill(q, cache[0], cache[1], tables, lens, qsl_t, tiles, out, hd ** -0.5))
+    flops = seqs * nq * hd * 4 * length * (length + 1) / 2
+    rows.append({"kernel": "prefill attention", "shape": f"{seqs}x{length} nq{nq} nk{nk} d{hd}", "seconds": t,
+                 "TFLOP/s": flops / t / 1e12})
+
+
+def bench_moe(rows: list, tokens: int, hidden: int, inner: int, experts: int, topk: int) -> None:
+    from pagoda_cuda.ops.moe import fused_moe
+
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    w13 = torch.randn(experts, 2 * inner, hidden, device="cuda", dtype=torch.bfloat16) / hidden ** 0.5
+    w2 = torch.randn(experts, hidden, inner, device="cuda", dtype=torch.bfloat16) / inner ** 0.5
+    weights, ids = torch.softmax(torch.randn(tokens, experts, device="cuda"), -1).topk(topk, dim=-1)
+    t = _bench(lambda: fused_moe(x, w13, w2, weights, ids))
+    hit = min(experts, tokens * topk)
+    nbytes = hit * 3 * hidden * inner * 2
+    flops = tokens * topk * 3 * hidden * inner * 2
+    rows.append({"kernel": "fused moe", "shape": f"T{tokens} H{hidden} I{inner} E{experts} k{topk}", "seconds": t,
+                 "GB/s": nbytes / t / 1e9, "TFLOP/s": flops / t / 1e12})
+
+
+def bench_small_ops(rows: list, tokens: int) -> None:
+    from pagoda.layers.rotary import get_rope
+
+    from pagoda_cuda.ops.activation import silu_and_mul
+    from pagoda_cuda.ops.norm import fused_add_rms_norm
+    from pagoda_cuda.ops.rotary import rotary_embedding
+
+    x = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(1024, device="cuda", dtype=torch.bfloat16)
+    rows.append({"kernel": "fused_add_rms_norm", "shape": f"{tokens}x1024",
+                 "seconds": _bench(lambda: fused_add_rms_norm(x, x, w, 1e-6))})
+    cache = get_rope(128, 128, 4096, None).cos_sin_cache.cuda()
+    q = torch.randn(tokens, 16 * 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(tokens, 8 * 128, device="cuda", dtype=torch.bfloat16)
+    pos = torch.randint(0, 4096, (tokens,), device="cuda")
+    rows.append({"kernel": "rotary", "shape": f"{tokens} tokens 16+8 heads x128",
+                 "seconds": _bench(lambda: rotary_embedding(pos, q, k, 128, cache, True))})
+    g = torch.randn(tokens, 2 * 3072, device="cuda", dtype=torch.bfloat16)
+    rows.append({"kernel": "silu_and_mul", "shape": f"{tokens}x2x3072", "seconds": _bench(lambda: silu_and_mul(g))})
+    a = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
+    t = _bench(lambda: torch.nn.functional.linear(a, b))
+    rows.append({"kernel": "cuBLAS linear (reference)", "shape": f"{tokens}x1024 @ 1024x4096", "seconds": t,
+                 "GB/s": b.numel() * 2 / t / 1e9})
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pagoda_cuda.kernel_bench", description=__doc__)
+    parser.add_argument("--json", help="write the rows as JSON")
+    parser.add_argument("--no-sweep", action="store_true", help="time only the chosen decode tiles")
+    args = parser.parse_args(argv)
+    rows: list[dict] = []
+    steps = [
+        lambda: bench_decode(rows, 16, 8, 128, 256, 640, not args.no_sweep),  # qwen3-0.6b
+        lambda: bench_decode(rows, 32, 32, 96, 256, 640, not args.no_sweep),  # phi3-mini
+        lambda: bench_decode(rows, 32, 4, 128, 256, 640, False),  # qwen3-30b-a3b
+        lambda: bench_decode(rows, 16, 8, 128, 4, 16384, False),  # long context, split
+        lambda: bench_prefill(rows, 16, 8, 128, 16, 512),
+        lambda: bench_prefill(rows, 32, 32, 96, 16, 512),
+        lambda: bench_moe(rows, 256, 2048, 768, 128, 8),
+        lambda: bench_moe(rows, 4096, 2048, 768, 128, 8),
+        lambda: bench_small_ops(rows, 256),
+    ]
+    for step in steps:
+        try:
+            step()
+        except Exception as exc:  # keep going: one failing kernel must not hide the others
+            rows.append({"kernel": "error", "error": f"{type(exc).__name__}: {exc}"[:300]})
+    for r in rows:
+        rate = " ".join(f"{k} {r[k]:,.0f}" for k in ("GB/s", "TFLOP/s") if k in r)
+        timing = f"{r['seconds'] * 1e6:9.1f} us" if "seconds" in r else r.get("error", "")
+        print(f"{r['kernel']:<26} {r.get('shape', ''):<42} {str(r.get('config', '')):<14} {timing} {rate}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
