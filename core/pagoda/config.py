@@ -57,6 +57,9 @@ class EngineConfig(BaseModel):
                                 "such as fp8")
     tensor_parallel_size: int = Field(1, gt=0, description="devices one model is split over")
     enable_expert_parallel: bool = Field(False, description="split MoE experts over the ranks")
+    expert_placement: str | None = Field(None, description="JSON file placing (and replicating) experts on "
+                                         "the expert-parallel ranks, e.g. a balanced placement from "
+                                         "`pagoda bench throughput`; default: equal contiguous blocks")
     max_logprobs: int = Field(20, ge=0, description="largest logprobs a request may ask for")
     skip_tokenizer_init: bool = Field(False, description="token ids in, token ids out")
     load_format: Literal["auto", "dummy"] = Field("auto", description="dummy: random weights of the "

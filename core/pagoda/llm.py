@@ -97,3 +97,7 @@ class LLM:
 
     def get_stats(self) -> dict:
         return self.engine.get_stats()
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a tensor-parallel engine (no-op on one device)."""
+        self.engine.shutdown()

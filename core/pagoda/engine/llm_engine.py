@@ -9,12 +9,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from pagoda.block_manager import BlockManager
 from pagoda.config import EngineConfig
 from pagoda.detokenizer import Detokenizer, find_stop_string
-from pagoda.engine.model_runner import ModelRunner
+from pagoda.distributed.executor import create_executor
 from pagoda.errors import ConfigError, RequestError
 from pagoda.layers.rotary import uses_sequence_length
 from pagoda.loader.model_loader import load_config
@@ -57,10 +55,8 @@ class LLMEngine:
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(self.source, config.tokenizer)
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.max_model_len = self._max_model_len()
-        device = self.platform.device(0)
-        self.platform.set_device(0)
-        torch.manual_seed(config.seed)
-        self.runner = ModelRunner(config, self.source, self.hf_config, self.platform, dtype, device)
+        # one device: a ModelRunner; tensor_parallel_size > 1 or torchrun: rank 0's executor
+        self.runner = create_executor(config, self.source, self.hf_config, self.platform, dtype)
         num_blocks = self.runner.allocate_kv_cache()
         if num_blocks * config.block_size < self.max_model_len:
             raise ConfigError(
@@ -157,7 +153,7 @@ class LLMEngine:
                 continue
             for seq in request.seqs:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
-                self.runner.sampler.forget(seq.seq_id)
+                self.runner.forget(seq.seq_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -233,7 +229,7 @@ class LLMEngine:
                 request.metrics.finished_time = now
                 del self.requests[rid]
                 for seq in request.seqs:
-                    self.runner.sampler.forget(seq.seq_id)
+                    self.runner.forget(seq.seq_id)
             if finished or not finished_only:
                 outputs.append(self.make_output(request, finished))
         return outputs
@@ -248,6 +244,13 @@ class LLMEngine:
                 finish_reason=seq.finish_reason(), stop_reason=seq.stop_reason))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
                              finished, request.metrics, request.metrics.num_cached_tokens)
+
+    def shutdown(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (no-op on one device; also done
+        when the engine is garbage-collected or the process exits)."""
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> dict[str, Any]:

@@ -74,8 +74,11 @@ def safetensors_files(directory: Path) -> list[Path]:
 
 def iterate_safetensors(files: list[Path], sources: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) from every file, recording each name's file in ``sources``."""
+    from pagoda.distributed import get_tp_size
+    from pagoda.loader.lazy_tensor import LazyTensor
     from safetensors import safe_open
 
+    lazy = get_tp_size() > 1  # each rank reads only the slices it keeps
     for path in files:
         try:
             handle = safe_open(str(path), framework="pt", device="cpu")
@@ -85,7 +88,7 @@ def iterate_safetensors(files: list[Path], sources: dict[str, str]) -> Iterator[
         for name in names:
             sources[name] = path.name
             try:
-                tensor = handle.get_tensor(name)
+                tensor = LazyTensor(handle.get_slice(name)) if lazy else handle.get_tensor(name)
             except Exception as exc:
                 raise ModelLoadError(f"{path}: tensor {name!r} could not be read: {exc}") from exc
             yield name, tensor

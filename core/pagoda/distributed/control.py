@@ -1,0 +1,77 @@
+"""The control plane: rank 0 tells the other ranks what to run next, over torch.distributed.
+
+Every message is two broadcasts from rank 0 on the gloo control group: a fixed header
+``[kind, payload length, mode]`` (int64) and the payload — int64 words for a model step
+(``pagoda.distributed.step_codec``), pickled bytes for a call. Calls that return something
+gather one pickled result per rank back to rank 0.
+"""
+
+from __future__ import annotations
+
+import enum
+import pickle
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+class Kind(enum.IntEnum):
+    STEP = 1  # run the model on a step (payload: encoded SchedulerOutput; mode: StepMode)
+    CALL = 2  # call a runner method (payload: pickled (name, args, kwargs)); results gathered
+    STOP = 3  # leave the loop
+
+
+class StepMode(enum.IntEnum):
+    EXECUTE = 0  # runner.execute (rank 0 samples)
+    ALL_LOGITS = 1  # runner.forward_all_logits (scoring)
+
+
+class ControlChannel:
+    def __init__(self, group: Any, rank: int, world_size: int):
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self._header = torch.zeros(3, dtype=torch.int64)
+
+    # ------------------------------------------------------------------ rank 0
+    def send(self, kind: Kind, payload: torch.Tensor | None = None, mode: int = 0) -> None:
+        n = 0 if payload is None else payload.numel()
+        self._header[0], self._header[1], self._header[2] = int(kind), n, mode
+        dist.broadcast(self._header, src=0, group=self.group)
+        if n:
+            dist.broadcast(payload, src=0, group=self.group)
+
+    def send_words(self, words: np.ndarray, mode: int) -> None:
+        self.send(Kind.STEP, torch.from_numpy(words), mode)
+
+    def send_call(self, name: str, args: tuple, kwargs: dict) -> None:
+        data = pickle.dumps((name, args, kwargs))
+        self.send(Kind.CALL, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+    def gather_results(self, own: Any) -> list[Any]:
+        """Rank 0's own result first, then ranks 1..N-1 in order."""
+        out: list[Any] = [None] * self.world_size
+        dist.gather_object(own, out, dst=0, group=self.group)
+        return out
+
+    # ------------------------------------------------------------------ ranks > 0
+    def receive(self) -> tuple[Kind, int, Any]:
+        """(kind, mode, payload): payload is the int64 numpy array of a step or the
+        unpickled (name, args, kwargs) of a call."""
+        dist.broadcast(self._header, src=0, group=self.group)
+        kind, n, mode = (int(v) for v in self._header.tolist())
+        kind = Kind(kind)
+        if kind is Kind.STOP:
+            return kind, mode, None
+        dtype = torch.int64 if kind is Kind.STEP else torch.uint8
+        payload = torch.empty(n, dtype=dtype)
+        if n:
+            dist.broadcast(payload, src=0, group=self.group)
+        if kind is Kind.STEP:
+            return kind, mode, payload.numpy()
+        return kind, mode, pickle.loads(payload.numpy().tobytes())
+
+    def send_result(self, result: Any) -> None:
+        dist.gather_object(result, None, dst=0, group=self.group)

@@ -1,0 +1,104 @@
+"""A step's SchedulerOutput as int64 words, and its mirror on the other ranks.
+
+Rank 0 schedules; the other ranks keep a mirror ``Sequence`` per live sequence and rebuild
+the same ``SchedulerOutput``, so that every rank runs the very same ``ModelRunner.execute``
+(eager or graphs) on identical inputs. Mirrored: every field the runner reads from a
+sequence — ``seq_id``, ``token_ids``, the prompt length, ``num_computed_tokens``,
+``block_table`` and ``num_preemptions`` (decode graphs key their incremental block tables on
+it). Token ids travel once: a sequence's first step carries all its tokens, later steps only
+the ones appended since. Block tables travel whole (preemption and prefix caching rewrite
+them). Sequences the engine forgot are freed on the next step.
+
+Words: ``[n, num_decodes, num_batched_tokens, num_freed]``, then n rows of
+``(seq_id, num_computed_tokens, num_new_tokens, sample, num_prompt_tokens, num_preemptions,
+num_sent_tokens, num_blocks)``, then the sent tokens, the block tables and the freed ids.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pagoda.sampling_params import SamplingParams
+from pagoda.scheduler import ScheduledSeq, SchedulerOutput
+from pagoda.sequence import Sequence, SequenceStatus
+
+HEAD = 4
+COLUMNS = 8
+
+
+class StepEncoder:
+    """Rank 0: remembers how many tokens of each sequence the other ranks have."""
+
+    def __init__(self) -> None:
+        self._sent: dict[int, int] = {}
+        self._freed: list[int] = []
+
+    def forget(self, seq_id: int) -> None:
+        if self._sent.pop(seq_id, None) is not None:
+            self._freed.append(seq_id)
+
+    def encode(self, out: SchedulerOutput, persistent: bool = True) -> np.ndarray:
+        """``persistent=False``: a one-off step (scoring) whose sequences the mirrors do not keep."""
+        items = out.scheduled
+        n = len(items)
+        rows = np.empty((n, COLUMNS), np.int64)
+        tokens: list[int] = []
+        blocks: list[int] = []
+        for i, it in enumerate(items):
+            seq = it.seq
+            sent = self._sent.get(seq.seq_id, 0) if persistent else 0
+            new = seq.token_ids[sent:]
+            if persistent:
+                self._sent[seq.seq_id] = seq.num_tokens
+            rows[i] = (seq.seq_id, seq.num_computed_tokens, it.num_new_tokens, it.sample, seq.num_prompt_tokens,
+                       seq.num_preemptions, len(new), len(seq.block_table))
+            tokens += new
+            blocks += seq.block_table
+        freed, self._freed = self._freed, []
+        head = np.array([n, out.num_decodes, out.num_batched_tokens, len(freed)], np.int64)
+        return np.concatenate([head, rows.reshape(-1), np.asarray(tokens, np.int64), np.asarray(blocks, np.int64),
+                               np.asarray(freed, np.int64)])
+
+
+_PARAMS = SamplingParams()  # mirrors never sample: rank 0 does
+
+
+class StepDecoder:
+    """Ranks > 0: the mirror sequences, by seq_id."""
+
+    def __init__(self) -> None:
+        self.seqs: dict[int, Sequence] = {}
+
+    def decode(self, words: np.ndarray, persistent: bool = True) -> tuple[SchedulerOutput, list[int]]:
+        """(the SchedulerOutput to run, the seq ids rank 0 forgot)."""
+        n, num_decodes, num_batched, num_freed = (int(v) for v in words[:HEAD])
+        rows = words[HEAD:HEAD + n * COLUMNS].reshape(n, COLUMNS).tolist()
+        pos = HEAD + n * COLUMNS
+        num_tokens = sum(r[6] for r in rows)
+        tokens = words[pos:pos + num_tokens].tolist()
+        pos += num_tokens
+        num_blocks = sum(r[7] for r in rows)
+        blocks = words[pos:pos + num_blocks].tolist()
+        pos += num_blocks
+        freed = words[pos:pos + num_freed].tolist()
+        for seq_id in freed:
+            self.seqs.pop(seq_id, None)
+        scheduled = []
+        t = b = 0
+        for seq_id, computed, num_new, sample, num_prompt, preemptions, num_sent, num_bt in rows:
+            sent = tokens[t:t + num_sent]
+            t += num_sent
+            seq = self.seqs.get(seq_id) if persistent else None
+            if seq is None:
+                seq = Sequence("", 0, sent[:num_prompt], _PARAMS, seq_id=seq_id, token_ids=sent,
+                               status=SequenceStatus.RUNNING)
+                if persistent:
+                    self.seqs[seq_id] = seq
+            elif sent:
+                seq.token_ids.extend(sent)
+            seq.num_computed_tokens = computed
+            seq.num_preemptions = preemptions
+            seq.block_table = blocks[b:b + num_bt]
+            b += num_bt
+            scheduled.append(ScheduledSeq(seq, num_new, bool(sample)))
+        return SchedulerOutput(scheduled, num_decodes, num_batched), freed

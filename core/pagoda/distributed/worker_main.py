@@ -1,0 +1,102 @@
+"""Ranks 1..N-1: build this rank's shard of the model, then run what rank 0 sends until it stops.
+
+``serve_rank`` is the loop (used by pagoda's own worker processes and by torchrun ranks > 0);
+``python -m pagoda.distributed.worker_main`` is the entry of a worker that rank 0 started on
+this machine: it reads its rank and the address of rank 0's store from
+``PAGODA_WORKER_RANK``/``PAGODA_WORKER_WORLD_SIZE``/``PAGODA_WORKER_STORE`` and the engine
+config from the store. Any exception is fatal: reported to rank 0 through the store, then
+the process exits, which makes rank 0's pending collective fail.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from pagoda.distributed.control import ControlChannel, Kind, StepMode
+from pagoda.distributed.step_codec import StepDecoder
+from pagoda.sampler import SampleResult
+
+logger = logging.getLogger("pagoda")
+
+ENV_RANK = "PAGODA_WORKER_RANK"
+ENV_WORLD = "PAGODA_WORKER_WORLD_SIZE"
+ENV_STORE = "PAGODA_WORKER_STORE"
+CONFIG_KEY, PLATFORM_KEY, DTYPE_KEY = "pagoda/config", "pagoda/platform", "pagoda/dtype"
+READY_KEY = "pagoda/ready/{rank}"
+
+
+class NoSampling:
+    """The sampler of ranks > 0: rank 0 samples, the others only run their shard."""
+
+    def __call__(self, logits, seqs) -> SampleResult:
+        return SampleResult([], [])
+
+    def forget(self, seq_id: int) -> None:
+        pass
+
+
+def serve_rank(runner: Any, channel: ControlChannel) -> None:
+    """Run steps and calls from rank 0 until it sends STOP."""
+    runner.sampler = NoSampling()
+    decoder = StepDecoder()
+    while True:
+        kind, mode, payload = channel.receive()
+        if kind is Kind.STOP:
+            return
+        if kind is Kind.STEP:
+            out, freed = decoder.decode(payload, persistent=mode == StepMode.EXECUTE)
+            for seq_id in freed:
+                runner.forget(seq_id)
+            if mode == StepMode.EXECUTE:
+                runner.execute(out)
+            else:
+                runner.forward_all_logits(out)
+        else:
+            name, args, kwargs = payload
+            channel.send_result(getattr(runner, name)(*args, **kwargs))
+
+
+def main() -> int:
+    import torch.distributed as dist
+
+    from pagoda.config import EngineConfig
+    from pagoda.distributed.failures import report_failure
+    from pagoda.distributed.process_group import RankInfo, destroy_parallel_state, init_parallel_state
+    from pagoda.distributed.rank_runner import build_rank_runner
+    from pagoda.loader.model_loader import load_config
+    from pagoda.loader.source import resolve_source
+    from pagoda.selection import select_platform
+
+    logging.basicConfig(level=os.environ.get("PAGODA_LOG_LEVEL", "WARNING").upper(),
+                        format="%(levelname)s %(name)s[rank %(process)d]: %(message)s")
+    # Ctrl-C reaches the whole terminal process group: rank 0 handles it and stops the workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    rank, world = int(os.environ[ENV_RANK]), int(os.environ[ENV_WORLD])
+    host, _, port = os.environ[ENV_STORE].rpartition(":")
+    store = None
+    try:
+        store = dist.TCPStore(host, int(port), world, is_master=False)
+        config = EngineConfig.model_validate_json(store.get(CONFIG_KEY))
+        platform = select_platform(store.get(PLATFORM_KEY).decode())
+        dtype = store.get(DTYPE_KEY).decode()
+        source = resolve_source(config.model)
+        hf_config = load_config(source)
+        info = RankInfo(rank, world, rank, world, "pagoda")
+        store.set(READY_KEY.format(rank=rank), "1")
+        channel = init_parallel_state(config, platform, info, store=store)
+        runner = build_rank_runner(config, source, hf_config, platform, dtype, info)
+        serve_rank(runner, ControlChannel(channel, rank, world))
+    except BaseException as exc:  # noqa: BLE001 - every failure is reported, then the process ends
+        report_failure(store, rank, exc)
+        sys.stderr.flush()
+        os._exit(1)  # no teardown: the group is broken and rank 0 is told by the exit
+    destroy_parallel_state()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""Tensor parallelism on CPU (gloo, 2 processes): Llama-family models against one process and
+transformers, torchrun, worker failures, and the pieces (step mirror, lazy slices, checks)."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from pagoda import LLM, SamplingParams
+from pagoda.config import EngineConfig
+from pagoda.distributed.failures import WorkerError, describe_exit, read_failure, report_failure
+from pagoda.distributed.process_group import RankInfo, check_world
+from pagoda.distributed.step_codec import StepDecoder, StepEncoder
+from pagoda.errors import ConfigError
+from pagoda.interfaces import Platform
+from pagoda.loader.lazy_tensor import LazyTensor
+from pagoda.scheduler import ScheduledSeq, SchedulerOutput
+from pagoda.sequence import Sequence
+from pagoda.testing import hf_greedy_tokens, hf_prompt_logits, make_tiny_checkpoint, random_prompts
+
+pytestmark = pytest.mark.timeout(300)  # a hang in a collective fails the test instead of the run
+VOCAB = 320
+TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=256)
+# Llama: GQA (2 KV heads, one per rank), biases; Qwen3: one KV head (replicated on both ranks),
+# q/k norms, tied embeddings (the vocab-parallel embedding doubles as the LM head).
+LLAMA = dict(TINY, num_key_value_heads=2, attention_bias=True)
+QWEN3 = dict(TINY, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True)
+# small cache and token budget: chunked prefill, preemption and prefix-cache hits all happen
+ENGINE = dict(device="cpu", dtype="float32", num_kv_blocks=12, block_size=8, max_num_batched_tokens=24,
+              max_model_len=80)
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def _prompts() -> list[list[int]]:
+    prompts = random_prompts(5, VOCAB, 5, 40, seed=7)
+    return prompts + [prompts[4][:17] + [9, 9, 9]]  # shares two cached blocks with prompt 4
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"), seed=1, tokenizer=True, **LLAMA)
+    llm = LLM(model=str(path), tensor_parallel_size=2, **ENGINE)
+    yield path, llm
+    llm.shutdown()
+
+
+def test_tp2_greedy_matches_one_process_and_transformers(llama):
+    path, llm = llama
+    prompts = _prompts()
+    outs = llm.generate(prompts, GREEDY)
+    assert _tokens(outs) == hf_greedy_tokens(path, prompts, 24)
+    stats = llm.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+    assert stats["kv_blocks_used"] == 0
+    # seeded sampling: rank 0 samples from the gathered logits exactly as one process does
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=12, ignore_eos=True)
+    single = LLM(model=str(path), **ENGINE)
+    assert _tokens(llm.generate(prompts[:3], seeded)) == _tokens(single.generate(prompts[:3], seeded))
+
+
+def test_tp2_prompt_logits_match_transformers(llama):
+    path, llm = llama
+    prompt = random_prompts(1, VOCAB, 40, 40, seed=3)[0]
+    torch.testing.assert_close(llm.prompt_logits(prompt), hf_prompt_logits(path, prompt), atol=2e-4, rtol=2e-4)
+
+
+def test_tp2_rank0_holds_half_of_each_sharded_weight(llama):
+    _, llm = llama
+    model = llm.engine.runner.model
+    attn = model.model.layers[0].self_attn
+    assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
+    assert model.model.embed_tokens.weight.shape == (VOCAB // 2, 64)
+    assert model.model.layers[0].mlp.down_proj.weight.shape == (64, 64)
+    assert llm.engine.runner.spec_summary()[0].num_kv_heads == 1
+
+
+def test_torchrun_generate_matches_one_process(llama, tmp_path):
+    path, _ = llama
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    assert torchrun, "torchrun ships with torch"
+    prompts = ["hello there", "tensor parallel"]
+    cmd = [torchrun, "--standalone", "--nnodes", "1", "--nproc-per-node", "2", "-m", "pagoda.cli.main", "generate",
+           "--model", str(path), "--device", "cpu", "--dtype", "float32", "--tensor-parallel-size", "2",
+           "--num-kv-blocks", "16", "--max-tokens", "12", "--ignore-eos", "--json"]
+    for p in prompts:
+        cmd += ["--prompt", p]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = [json.loads(line)["outputs"][0]["token_ids"] for line in done.stdout.splitlines() if line.startswith("{")]
+    single = LLM(model=str(path), device="cpu", dtype="float32", num_kv_blocks=16)
+    assert got == _tokens(single.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)))
+
+
+def test_killed_worker_stops_the_engine_with_a_clear_error(llama):
+    """Last user of the shared engine: it leaves it broken."""
+    _, llm = llama
+    pid = llm.engine.runner.worker_pid(1)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(WorkerError, match=rf"rank 1 \(pid {pid}\) was killed by SIGKILL") as err:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
+    assert err.value.ranks == [1]
+    with pytest.raises(WorkerError, match="rank 1"):  # and it stays stopped
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    path = make_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("qwen3"), seed=4, **QWEN3)
+    llm = LLM(model=str(path), tensor_parallel_size=2, **ENGINE)
+    yield path, llm
+    llm.shutdown()
+
+
+def test_tp2_replicated_kv_head_and_tied_embeddings(qwen3):
+    path, llm = qwen3
+    prompts = _prompts()
+    assert _tokens(llm.generate(prompts, GREEDY)) == hf_greedy_tokens(path, prompts, 24)
+    attn = llm.engine.runner.model.model.layers[0].self_attn
+    assert (attn.num_heads, attn.num_kv_heads, attn.qkv_proj.kv_replicas) == (2, 1, 2)
+
+
+def test_worker_exception_names_rank_and_exception(qwen3):
+    _, llm = qwen3
+    executor = llm.engine.runner
+    executor.driver.only_on_rank0 = lambda: 1  # rank 1's runner has no such method: AttributeError there
+    with pytest.raises(WorkerError, match=r"rank 1 \(pid \d+\) raised AttributeError: .*only_on_rank0"):
+        executor.call("only_on_rank0")
+    with pytest.raises(WorkerError):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+
+
+# ---------------------------------------------------------------------------- pieces, no processes
+def test_step_mirror_tracks_sequences_across_steps():
+    enc, dec = StepEncoder(), StepDecoder()
+    a = Sequence("r", 0, [1, 2, 3, 4, 5], SamplingParams())
+    b = Sequence("r", 1, [7, 8], SamplingParams())
+    a.block_table, b.block_table = [3, 4], [9]
+    steps = [SchedulerOutput([ScheduledSeq(a, 3, False), ScheduledSeq(b, 2, True)], 0, 5)]
+    a.num_computed_tokens, b.num_computed_tokens = 3, 2
+    b.append_token(42)
+    a.block_table, a.num_preemptions = [3, 5], 1  # e.g. after preemption
+    steps.append(SchedulerOutput([ScheduledSeq(b, 1, True), ScheduledSeq(a, 2, True)], 1, 3))
+    for out in steps:
+        mirror, freed = dec.decode(enc.encode(out))
+        assert freed == []
+        for ours, theirs in zip(out.scheduled, mirror.scheduled):
+            s, m = ours.seq, theirs.seq
+            assert (m.seq_id, m.token_ids, m.num_prompt_tokens, m.num_computed_tokens, m.block_table,
+                    m.num_preemptions) == (s.seq_id, s.token_ids, s.num_prompt_tokens, s.num_computed_tokens,
+                                           s.block_table, s.num_preemptions)
+            assert (theirs.num_new_tokens, theirs.sample) == (ours.num_new_tokens, ours.sample)
+        assert (mirror.num_decodes, mirror.num_batched_tokens) == (out.num_decodes, out.num_batched_tokens)
+    enc.forget(b.seq_id)
+    _, freed = dec.decode(enc.encode(SchedulerOutput([ScheduledSeq(a, 1, True)], 1, 1)))
+    assert freed == [b.seq_id] and set(dec.seqs) == {a.seq_id}
+
+
+def test_lazy_tensor_reads_only_its_window(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    full = torch.arange(4 * 6 * 5, dtype=torch.float32).view(4, 6, 5)
+    save_file({"w": full}, str(tmp_path / "w.safetensors"))
+    handle = safe_open(str(tmp_path / "w.safetensors"), framework="pt")
+    reads = []
+
+    class CountingSlice:  # records the window each read asks for
+        def __init__(self, inner):
+            self.inner = inner
+
+        def get_shape(self):
+            return self.inner.get_shape()
+
+        def get_dtype(self):
+            return self.inner.get_dtype()
+
+        def __getitem__(self, key):
+            reads.append(key)
+            return self.inner[key]
+
+    lazy = LazyTensor(CountingSlice(handle.get_slice("w")))
+    part = lazy.narrow(1, 3, 3)[2]
+    assert part.shape == (3, 5) and part.dtype == torch.float32 and not reads
+    target = torch.empty(3, 5)
+    target.copy_(part)
+    assert torch.equal(target, full[2, 3:6]) and reads == [(slice(2, 3), slice(3, 6), slice(0, 5))]
+    gate, up = lazy[1].chunk(2, dim=0)
+    assert torch.equal(up.materialize(), full[1, 3:]) and torch.equal(lazy.float() * 2, full * 2)
+
+
+class _FakeCuda(Platform):
+    name, device_type = "fakecuda", "cuda"
+
+    def device_count(self) -> int:
+        return 1
+
+
+def test_more_ranks_than_devices_and_torchrun_size_mismatch_are_clear_errors():
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2 needs 2 fakecuda devices .* but 1 is visible"):
+        check_world(EngineConfig(tensor_parallel_size=2), _FakeCuda(), None)
+    with pytest.raises(ConfigError, match=r"WORLD_SIZE=4\) but tensor_parallel_size is 2.*--tensor-parallel-size 4"):
+        check_world(EngineConfig(tensor_parallel_size=2), _FakeCuda(), RankInfo(0, 4, 0, 4, "torchrun"))
+    with pytest.raises(ConfigError, match=r"needs 2 fakecuda devices on this machine \(torchrun --nproc-per-node\)"):
+        check_world(EngineConfig(tensor_parallel_size=4), _FakeCuda(), RankInfo(0, 4, 0, 2, "torchrun"))
+    check_world(EngineConfig(tensor_parallel_size=4), _FakeCuda(), RankInfo(0, 4, 0, 1, "torchrun"))
+
+
+def test_failure_reports_travel_through_the_store():
+    store = torch.distributed.HashStore()
+    try:
+        raise ValueError("bad shard\nsecond line")
+    except ValueError as exc:
+        report_failure(store, 3, exc)
+    assert read_failure(store, 3) == "ValueError: bad shard" and read_failure(store, 2) is None
+    assert describe_exit(-9) == "was killed by SIGKILL" and describe_exit(1) == "exited with status 1"
