@@ -47,6 +47,9 @@ def add_parser(sub) -> None:
                    "measured here)")
     p.add_argument("--matmul-tflops", type=float, help="matmul rate for the roofline, TFLOP/s (default: "
                    "measured here)")
+    p.add_argument("--save-expert-placement", metavar="FILE", help="with enable_expert_parallel: write the "
+                   "balanced expert placement computed from this run's expert load (then pass it as "
+                   "--expert-placement)")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -146,6 +149,9 @@ def run(args) -> int:
         best = max(runs, key=lambda x: x["output_tok_s"])
         stats = llm.get_stats()
         experts = stats.get("expert_load")
+        from pagoda.distributed.expert_placement import expert_balance
+
+        balance = expert_balance(experts and experts["layers"], config, args.save_expert_placement)
         profile = None
         if args.profile:
             from pagoda.bench.profile import profile_decode
@@ -184,6 +190,7 @@ def run(args) -> int:
             "best": best,
             "expert_load": None if not experts else {k: experts[k] for k in ("max_over_mean", "active_share",
                                                                                "total")},
+            "expert_balance": balance,
             "roofline": floor,
             "fraction_of_bound": best["output_tok_s"] / floor["bound_output_tok_s"],
             "profile": profile,
@@ -234,6 +241,12 @@ def format_result(res: dict) -> list[str]:
         e = res["expert_load"]
         lines.append(f"  expert load      max/mean {e['max_over_mean']:.2f}, "
                      f"experts used {100 * e['active_share']:.0f}%")
+    if res.get("expert_balance"):
+        b = res["expert_balance"]
+        lines.append(f"  expert balance   busiest rank / mean over {b['ranks']} expert-parallel ranks: "
+                     f"{b['before']:.3f} ({b['current']}) -> {b['after']:.3f} balanced "
+                     f"({b['slots_per_rank']} slots per rank)" + (f", saved to {b['saved_to']}" if b.get("saved_to")
+                                                                  else ""))
     if best["num_preemptions"]:
         lines.append(f"  preemptions      {best['num_preemptions']}")
     if res["profile"]:

@@ -83,7 +83,9 @@ class ExpertPlacement:
         return {"num_ranks": self.num_ranks, "layers": self.layers}
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        """JSON with one line per layer."""
+        layers = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in self.layers.items())
+        Path(path).write_text(f'{{\n "num_ranks": {self.num_ranks},\n "layers": {{\n{layers}\n }}\n}}\n')
 
     @classmethod
     def load(cls, path: str | Path) -> ExpertPlacement:
@@ -182,3 +184,25 @@ def placement_report(layer_counts: dict[str, list[float]], num_ranks: int,
     n = len(before)
     return {"before": sum(before) / n if n else 0.0, "after": sum(after) / n if n else 0.0,
             "layers": n, "ranks": num_ranks, "slots_per_rank": slots}
+
+
+# extra expert slots per rank that ``pagoda bench`` gives the balanced placement it reports
+BENCH_REDUNDANT_PER_RANK = 1
+
+
+def expert_balance(layer_counts: dict[str, list[float]] | None, config, save_to: str | None = None) -> dict | None:
+    """For ``pagoda bench`` under expert parallelism: the busiest rank's load over the mean
+    with the run's placement ("before") and with a balanced placement computed from the
+    run's own counts ("after"); ``save_to`` writes that placement for ``expert_placement``."""
+    if not layer_counts or not config.enable_expert_parallel or config.tensor_parallel_size < 2:
+        return None
+    ranks = config.tensor_parallel_size
+    current = ExpertPlacement.load(config.expert_placement) if config.expert_placement else None
+    balanced = balanced_placement(layer_counts, ranks, BENCH_REDUNDANT_PER_RANK)
+    report = placement_report(layer_counts, ranks, balanced, current)
+    report["current"] = config.expert_placement or "contiguous"
+    report["redundant_per_rank"] = BENCH_REDUNDANT_PER_RANK
+    if save_to:
+        balanced.save(save_to)
+        report["saved_to"] = str(save_to)
+    return report
