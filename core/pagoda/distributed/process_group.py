@@ -86,6 +86,7 @@ def init_parallel_state(config: EngineConfig, platform: Platform, info: RankInfo
     create the gloo control group and set the parallel state the layers read. Returns the
     control group."""
     backend = platform.dist_backend
+    platform.set_device(info.local_rank)  # before the group: NCCL binds its communicator to the current device
     if not dist.is_available():
         raise ConfigError("tensor_parallel_size > 1 needs torch.distributed, which this torch build lacks")
     if dist.is_initialized():
