@@ -14,6 +14,7 @@
 #   NUM_PROMPTS=256 INPUT_LEN=512 OUTPUT_LEN=256                  the workload
 #   BASELINE_SHAPES="qwen3-0.6b"  BASELINE_MAX_SECONDS=60          HF transformers baseline, capped
 #   TESTS=1 TEST_PATHS="tests plugins"  KERNELS=1  PROFILE=1       sections to run
+#   TUNE_MOE=0    1: sweep fused-MoE tiles first, install the table for this run (fused_moe_tuned.json)
 #   TEST_TIMEOUT=240 KERNEL_TIMEOUT=150 BENCH_TIMEOUT=300           seconds per section / per shape
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +30,7 @@ BASELINE_MAX_SECONDS=${BASELINE_MAX_SECONDS:-60}
 TESTS=${TESTS:-1}
 TEST_PATHS=${TEST_PATHS:-"tests plugins"}
 KERNELS=${KERNELS:-1}
+TUNE_MOE=${TUNE_MOE:-0}
 PROFILE=${PROFILE:-1}
 TEST_TIMEOUT=${TEST_TIMEOUT:-240}
 KERNEL_TIMEOUT=${KERNEL_TIMEOUT:-150}
@@ -76,7 +78,10 @@ fi
 # ------------------------------------------------------------------ kernels
 if [ "$KERNELS" = 1 ]; then
   say "kernel timings at real shapes"
-  timeout "$KERNEL_TIMEOUT" $PY -m pagoda_cuda.kernel_bench --json "$OUT/kernels.json" 2>&1 | tee -a "$LOG"
+  tune=()
+  [ "$TUNE_MOE" = 1 ] && tune=(--tune-moe "$OUT/fused_moe_tuned.json" --install-tuned)
+  timeout "$KERNEL_TIMEOUT" $PY -m pagoda_cuda.kernel_bench --json "$OUT/kernels.json" "${tune[@]}" 2>&1 \
+    | tee -a "$LOG"
 fi
 
 # ------------------------------------------------------------------ benchmarks
@@ -122,7 +127,7 @@ for path in sorted(out.glob("bench-*.json")):
     shape = r["model"]["shape"] or r["model"]["path"]
     vllm, target = ANCHORS.get(shape, (None, None))
     best = r["best"]["output_tok_s"]
-    base = r["baseline"]["output_tok_s"] if r.get("baseline") else None
+    base = (r.get("baseline") or {}).get("output_tok_s")
     rows.append({"shape": shape, "output_tok_s": best, "runs": [x["output_tok_s"] for x in r["runs"]],
                  "bound": r["roofline"]["bound_output_tok_s"], "fraction": r["fraction_of_bound"],
                  "vllm": vllm, "target": target, "hf": base})

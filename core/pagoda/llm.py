@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -73,12 +74,18 @@ class LLM:
     def _run(self, ids: list[str]) -> list[RequestOutput]:
         wanted = set(ids)
         done: dict[str, RequestOutput] = {}
-        while len(done) < len(ids):
-            if not self.engine.has_unfinished_requests():
-                break
-            for out in self.engine.step(finished_only=True):
-                if out.finished and out.request_id in wanted:
-                    done[out.request_id] = out
+        # Objects older than this batch (the model, the engine, imports) stay out of the cyclic
+        # collector while it runs: its full passes over them would stall steps by 10-100 ms.
+        gc.freeze()
+        try:
+            while len(done) < len(ids):
+                if not self.engine.has_unfinished_requests():
+                    break
+                for out in self.engine.step(finished_only=True):
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+        finally:
+            gc.unfreeze()
         return [done[i] for i in ids]
 
     def prompt_logits(self, prompt_token_ids: Seq[int]) -> torch.Tensor:

@@ -58,6 +58,7 @@ class DecodeGraphs:
         # what each table row holds: (seq_id, num_preemptions) and how many blocks were written
         self.row_owner: list[tuple[int, int] | None] = [None] * b
         self.row_blocks = [0] * b
+        self.copied = None  # CUDA event after the last step's host->device uploads
 
     def _views(self, bucket: int):
         ids, positions, slots = self.dev64[0, :bucket], self.dev64[1, :bucket], self.dev64[2, :bucket]
@@ -95,13 +96,18 @@ class DecodeGraphs:
             written[i] = k
         return min(widest, self.width)
 
-    def _fill(self, out: SchedulerOutput, bucket: int) -> int:
-        """Fill the host buffers for a step; return how many table rows to copy."""
+    def _fill(self, out: SchedulerOutput, bucket: int, ahead: int = 0) -> int:
+        """Fill the host buffers for a step; return how many table rows to copy. ``ahead``: the
+        step runs that many tokens past what the sequences record (a step launched before the
+        previous one's tokens reached the host; its input ids then come from the device)."""
         n = len(out.scheduled)
         h64, h32 = self.np64, self.np32
         seqs = [it.seq for it in out.scheduled]
-        h64[0, :n] = [s.token_ids[-1] for s in seqs]
+        if not ahead:
+            h64[0, :n] = [s.token_ids[-1] for s in seqs]
         pos = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
+        if ahead:
+            pos += ahead
         h64[1, :n] = pos
         widest = self._update_tables(seqs)
         block = pos // self.block_size
@@ -114,13 +120,23 @@ class DecodeGraphs:
         h32[1, n:bucket] = 1
         return max(widest, 1)
 
-    def run(self, out: SchedulerOutput) -> torch.Tensor:
+    def run(self, out: SchedulerOutput, ahead: int = 0, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay the bucket's graph for a decode batch; returns logits [n, vocab] (static
+        buffer, valid until the next replay). ``input_ids`` [n] on the device replaces the
+        host's last tokens (with ``ahead``: see ``_fill``)."""
         n = len(out.scheduled)
         bucket = next(s for s in self.buckets if s >= n)
-        rows = self._fill(out, bucket)
+        if self.copied is not None:  # the previous step's uploads must have left the host buffers
+            self.copied.synchronize()
+        rows = self._fill(out, bucket, ahead)
         self.dev64.copy_(self.host64, non_blocking=True)
         self.dev32.copy_(self.host32, non_blocking=True)
         self.dev_tables[:rows].copy_(self.host_tables[:rows], non_blocking=True)
+        if input_ids is not None:
+            self.dev64[0, :n].copy_(input_ids)
+        if self.runner.device.type == "cuda":
+            self.copied = torch.cuda.Event()
+            self.copied.record()
         graph = self.graphs[bucket]
         graph.replay()
         if self.contexts[bucket].expert_counts:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import itertools
 import logging
 import time
@@ -13,6 +12,7 @@ from pagoda.block_manager import BlockManager
 from pagoda.config import EngineConfig
 from pagoda.detokenizer import Detokenizer, find_stop_string
 from pagoda.distributed.executor import create_executor
+from pagoda.engine.lookahead import DecodeLookahead
 from pagoda.errors import ConfigError, RequestError
 from pagoda.layers.rotary import uses_sequence_length
 from pagoda.loader.model_loader import load_config
@@ -74,14 +74,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
         self.runner.capture_graphs(config.max_num_seqs, self.max_model_len)
+        # offline decode steps launched ahead of the host work (pagoda.engine.lookahead)
+        self.lookahead = DecodeLookahead(self) if getattr(self.runner, "graphs", None) is not None else None
         self.eos_token_ids = self._eos_ids()
         self.requests: dict[str, Request] = {}
         self._counter = itertools.count()
         self.times = StepTimes()
-        # Everything built so far (model, tokenizer, graphs, imports) lives as long as the engine:
-        # keep it out of the cyclic collector, whose full passes over it stall steps by 10-100 ms.
-        gc.collect()
-        gc.freeze()
 
     # ------------------------------------------------------------------ setup helpers
     def _max_model_len(self) -> int:
@@ -166,23 +164,37 @@ class LLMEngine:
         """Run one scheduled step. Returns an output for every request that received tokens,
         or with ``finished_only`` only for those that finished (offline batches: building
         every running request's partial output each step costs host time)."""
+        if self.lookahead is not None and (finished_only or self.lookahead.pending is not None):
+            outputs = self.lookahead.step(finished_only)
+            if outputs is not None:
+                return outputs
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         t1 = time.perf_counter()
         if out.is_empty:
             return []
-        for item in out.scheduled:
+        self._mark_scheduled(out)
+        result = self.runner.execute(out)
+        return self._complete_step(out, result.tokens, result.logprobs, finished_only, t0, t1)
+
+    def _mark_scheduled(self, out) -> None:
+        for item in out.scheduled[out.num_decodes:]:  # decodes were scheduled before, as prefills
             m = self.requests[item.seq.request_id].metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = time.time()
                 m.num_cached_tokens = item.seq.num_computed_tokens
-        result = self.runner.execute(out)
+
+    def _complete_step(self, out, tokens: list[int], logprobs, finished_only: bool, t0: float,
+                       t1: float) -> list[RequestOutput]:
+        """After the model ran ``out`` and sampled ``tokens``: update the sequences, build the
+        outputs and account the step's time (t0: start, t1: scheduled)."""
         t2 = time.perf_counter()
         seqs = [it.seq for it in out.scheduled if it.sample]
-        sampled = {s.seq_id: tok for s, tok in zip(seqs, result.tokens)}
-        for seq, lp in zip(seqs, result.logprobs):
-            if lp is not None:
-                self._record_logprob(seq, sampled[seq.seq_id], lp)
+        sampled = {s.seq_id: tok for s, tok in zip(seqs, tokens)}
+        if logprobs is not None:
+            for seq, lp in zip(seqs, logprobs):
+                if lp is not None:
+                    self._record_logprob(seq, sampled[seq.seq_id], lp)
         touched = self.scheduler.update(out, sampled, self.eos_token_ids)
         outputs = self._process_outputs(touched, finished_only)
         t3 = time.perf_counter()
@@ -218,6 +230,10 @@ class LLMEngine:
                         self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
                     else:
                         seq.status = SequenceStatus.FINISHED_STOPPED
+        if finished_only:  # only finished requests, and first tokens (metrics), need a look
+            running = SequenceStatus.RUNNING
+            touched = [s for s in touched
+                       if s.status is not running or len(s.token_ids) - len(s.prompt_token_ids) == 1]
         now = time.time()
         outputs = []
         for rid in dict.fromkeys(s.request_id for s in touched):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -25,6 +26,16 @@ from pagoda.scheduler import SchedulerOutput
 from pagoda.selection import select_allocator, select_attention_backend
 
 logger = logging.getLogger("pagoda")
+
+
+@dataclass
+class PendingDecode:
+    """A launched decode step: tokens on the device and, once ``event`` fires, on the host."""
+
+    num_seqs: int
+    tokens: torch.Tensor  # [num_seqs] int64, device
+    host: torch.Tensor  # pinned, [>= num_seqs]
+    event: object | None  # torch.cuda.Event (None on devices whose copies are synchronous)
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -63,6 +74,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.graphs = None  # pagoda.engine.graphs.DecodeGraphs when captured
+        self._token_hosts: list[torch.Tensor] | None = None  # pinned token buffers of launch_decode
+        self._token_turn = 0
         self.expert_counts: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ KV cache
@@ -136,6 +149,34 @@ class ModelRunner:
         if not seqs:
             return SampleResult([], [])
         return self.sampler(logits[: len(seqs)], seqs)
+
+    # ------------------------------------------------------------------ pipelined decode steps
+    @torch.inference_mode()
+    def launch_decode(self, out: SchedulerOutput, ahead: int = 0,
+                      input_ids: torch.Tensor | None = None) -> PendingDecode:
+        """Start a greedy decode step from the captured graphs without waiting for it: the
+        tokens stay on the device (``input_ids`` of a following step) and are copied to the
+        host in the background. ``ahead``/``input_ids``: see ``DecodeGraphs.run``."""
+        n = len(out.scheduled)
+        logits = self.graphs.run(out, ahead, input_ids)
+        tokens = logits[:n].argmax(dim=-1)
+        if self._token_hosts is None:
+            pin = self.device.type == "cuda"
+            self._token_hosts = [torch.empty(self.graphs.max_bs, dtype=torch.int64, pin_memory=pin) for _ in (0, 1)]
+        host = self._token_hosts[self._token_turn]
+        self._token_turn ^= 1  # two steps may be in flight: alternate the host buffers
+        host[:n].copy_(tokens, non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return PendingDecode(n, tokens, host, event)
+
+    def collect_decode(self, pending: PendingDecode) -> list[int]:
+        """Wait for a launched decode step; its tokens in batch order."""
+        if pending.event is not None:
+            pending.event.synchronize()
+        return pending.host[: pending.num_seqs].tolist()
 
     @torch.inference_mode()
     def forward_all_logits(self, out: SchedulerOutput) -> torch.Tensor:

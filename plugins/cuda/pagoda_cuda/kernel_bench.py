@@ -79,6 +79,62 @@ def bench_moe(rows: list, tokens: int, hidden: int, inner: int, experts: int, to
                  "GB/s": nbytes / t / 1e9, "TFLOP/s": flops / t / 1e12})
 
 
+# MoE shapes of the benchmark models: experts, hidden, expert intermediate, top-k
+MOE_SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "deepseek-v3-4l": (256, 7168, 2048, 8)}
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tried for decode (256 tokens) and prefill (4096)
+MOE_CANDIDATES = {
+    256: [(16, 64, 128, 4, 4), (32, 64, 128, 4, 3), (32, 128, 64, 4, 4), (64, 64, 64, 4, 3), (32, 64, 64, 4, 4),
+          (16, 128, 64, 4, 4), (64, 128, 64, 4, 3)],
+    4096: [(64, 128, 64, 4, 3), (64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 64, 64, 4, 3),
+           (64, 128, 128, 8, 3)],
+}
+
+
+def tune_moe(rows: list, out_path: str | None, install: bool) -> None:
+    """Time every candidate tile per MoE shape and load; keep the fastest in a table that
+    ``moe_config`` reads (installed into the package with ``install``)."""
+    import re
+
+    from pagoda_cuda.ops.moe import CONFIG_DIR, fused_moe, shape_key
+
+    name = torch.cuda.get_device_name()
+    table = {"device": name, "shapes": {}}
+    for model, (experts, hidden, inner, topk) in MOE_SHAPES.items():
+        w13 = torch.randn(experts, 2 * inner, hidden, device="cuda", dtype=torch.bfloat16) / hidden ** 0.5
+        w2 = torch.randn(experts, hidden, inner, device="cuda", dtype=torch.bfloat16) / inner ** 0.5
+        entries = []
+        for tokens, candidates in MOE_CANDIDATES.items():
+            x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+            weights, ids = torch.softmax(torch.randn(tokens, experts, device="cuda"), -1).topk(topk, dim=-1)
+            best = None
+            inputs = (x, w13, w2, weights, ids)
+            for cfg in candidates:
+                try:
+                    t = _bench(lambda cfg=cfg, inputs=inputs: fused_moe(*inputs, config=cfg))
+                except Exception as exc:
+                    rows.append({"kernel": "fused moe (tune)", "shape": f"{model} T{tokens}", "config": cfg,
+                                 "error": str(exc).splitlines()[0][:120]})
+                    continue
+                nbytes = min(experts, tokens * topk) * 3 * hidden * inner * 2
+                rows.append({"kernel": "fused moe (tune)", "shape": f"{model} T{tokens}", "config": cfg,
+                             "seconds": t, "GB/s": nbytes / t / 1e9,
+                             "TFLOP/s": tokens * topk * 6 * hidden * inner / t / 1e12})
+                if best is None or t < best[0]:
+                    best = (t, cfg)
+            if best is not None:
+                entries.append([tokens * topk / experts, list(best[1])])
+        w13 = w2 = inputs = None  # free this shape's weights before the next
+        torch.cuda.empty_cache()
+        table["shapes"][shape_key(experts, hidden, inner)] = entries
+    text = json.dumps(table, indent=1)
+    if out_path:
+        with open(out_path, "w") as f:
+            f.write(text)
+    if install:
+        CONFIG_DIR.mkdir(parents=True, exist_ok=True)
+        (CONFIG_DIR / f"fused_moe_{re.sub(r'[^A-Za-z0-9]+', '_', name)}.json").write_text(text)
+
+
 def bench_small_ops(rows: list, tokens: int) -> None:
     from pagoda.layers.rotary import get_rope
 
@@ -109,9 +165,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pagoda_cuda.kernel_bench", description=__doc__)
     parser.add_argument("--json", help="write the rows as JSON")
     parser.add_argument("--no-sweep", action="store_true", help="time only the chosen decode tiles")
+    parser.add_argument("--tune-moe", metavar="FILE", help="sweep fused-MoE tiles for the benchmark shapes and "
+                        "write the fastest per shape and load to FILE")
+    parser.add_argument("--install-tuned", action="store_true", help="with --tune-moe: also install the table "
+                        "into this package's configs/ (used from then on)")
     args = parser.parse_args(argv)
     rows: list[dict] = []
-    steps = [
+    steps = []
+    if args.tune_moe:
+        steps.append(lambda: tune_moe(rows, args.tune_moe, args.install_tuned))
+    steps += [
         lambda: bench_decode(rows, 16, 8, 128, 256, 640, not args.no_sweep),  # qwen3-0.6b
         lambda: bench_decode(rows, 32, 32, 96, 256, 640, not args.no_sweep),  # phi3-mini
         lambda: bench_decode(rows, 32, 4, 128, 256, 640, False),  # qwen3-30b-a3b

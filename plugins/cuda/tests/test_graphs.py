@@ -57,4 +57,30 @@ def test_graph_decode_matches_transformers(tmp_path, replay_cpu):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == want
     assert Replay.replays - before > 10
+    assert llm.engine.lookahead.launched_ahead > 0
     assert llm.get_stats()["num_preemptions"] > 0
+
+
+def test_lookahead_with_early_stops(tmp_path, replay_cpu):
+    """Steps launched ahead of the host: an EOS stop and per-request length limits end
+    sequences in the middle of the pipelined stretch; their speculative tokens are dropped."""
+    import json
+
+    path = make_tiny_checkpoint("qwen3", tmp_path, seed=3, **TINY)
+    prompts = random_prompts(5, 320, 4, 20, seed=5)
+    full = hf_greedy_tokens(path, prompts, 14)
+    eos = full[1][6]  # the 7th token of prompt 1 becomes EOS
+    config = json.loads((path / "config.json").read_text())
+    config["eos_token_id"] = eos
+    (path / "config.json").write_text(json.dumps(config))
+    limits = [14, 14, 9, 3, 12]
+    want = []
+    for tokens, limit in zip(full, limits):
+        tokens = tokens[:limit]
+        want.append(tokens[:tokens.index(eos) + 1] if eos in tokens else tokens)
+    llm = LLM(model=str(path), device="cpu", dtype="float32", attention_backend="triton", num_kv_blocks=40,
+              block_size=4, max_num_seqs=8, max_model_len=64)
+    outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=m) for m in limits])
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert llm.engine.lookahead.launched_ahead > 3
+    assert llm.get_stats()["kv_blocks_used"] == 0

@@ -16,6 +16,10 @@ activation dtype, as are the activation and the weighted product; the top-k sum 
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
@@ -132,7 +136,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
     counts.scatter_add_(0, key, torch.ones_like(key))
     blocks = (counts + block_m - 1) // block_m
-    blocks[num_experts] = 0  # invalid pairs get no block
+    blocks[num_experts:].zero_()  # invalid pairs get no block (a device fill: graph-capturable)
     block_end = torch.cumsum(blocks, 0)
     block_start = block_end - blocks
     order = torch.argsort(key, stable=True)
@@ -149,9 +153,38 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
     return pairs[:dummy], block_expert, max_blocks
 
 
-def moe_config(num_pairs: int, num_experts: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) from the mean pairs per expert."""
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+_TUNED: dict[str, dict] = {}
+
+
+def shape_key(num_experts: int, hidden: int, inner: int) -> str:
+    return f"E{num_experts}_H{hidden}_I{inner}"
+
+
+def tuned_table(device: torch.device) -> dict:
+    """Tile configs measured on this GPU model by ``python -m pagoda_cuda.kernel_bench --tune-moe``:
+    configs/fused_moe_<gpu name>.json = {"shapes": {shape_key: [[pairs per expert, config], ...]}}."""
+    if device.type != "cuda":
+        return {}
+    name = torch.cuda.get_device_name(device)
+    if name not in _TUNED:
+        path = CONFIG_DIR / f"fused_moe_{re.sub(r'[^A-Za-z0-9]+', '_', name)}.json"
+        _TUNED[name] = json.loads(path.read_text()).get("shapes", {}) if path.is_file() else {}
+    return _TUNED[name]
+
+
+def moe_config(num_pairs: int, num_experts: int, hidden: int = 0, inner: int = 0,
+               device: torch.device | None = None) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): a tuned entry for this shape and
+    GPU when there is one (the first measured load at or above this one), else by the mean
+    pairs per expert."""
     per_expert = num_pairs / max(1, num_experts)
+    entries = tuned_table(device).get(shape_key(num_experts, hidden, inner)) if device is not None else None
+    if entries:
+        for load, config in sorted(entries):
+            if per_expert <= load:
+                return tuple(config)
+        return tuple(sorted(entries)[-1][1])
     if per_expert <= 16:
         return 16, 64, 128, 4, 4
     if per_expert <= 48:
@@ -162,8 +195,10 @@ def moe_config(num_pairs: int, num_experts: int) -> tuple[int, int, int, int, in
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
-    """hidden [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, K]; topk_ids [T, K] -> [T, H]."""
+              topk_ids: torch.Tensor, activation: str = "silu",
+              config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """hidden [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, K]; topk_ids [T, K] -> [T, H].
+    ``config`` overrides ``moe_config`` (tuning sweeps)."""
     if activation not in ("silu", "gelu_tanh"):
         raise ValueError(f"fused_moe: activation {activation!r} is not supported (silu, gelu_tanh)")
     t, h = hidden.shape
@@ -177,7 +212,8 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     w13 = w13 if w13.is_contiguous() else w13.contiguous()
     w2 = w2 if w2.is_contiguous() else w2.contiguous()
     num_pairs = t * topk
-    block_m, block_n, block_k, num_warps, num_stages = moe_config(num_pairs, num_experts)
+    block_m, block_n, block_k, num_warps, num_stages = config or moe_config(num_pairs, num_experts, h, inner,
+                                                                            hidden.device)
     block_k = min(block_k, max(16, next_pow2(min(h, inner))))
     pairs, block_expert, max_blocks = align(topk_ids, num_experts, block_m)
     upcast = interpreting()

@@ -1,0 +1,1 @@
+"""Measured tile configs per GPU model (JSON, read by the kernels)."""
