@@ -36,7 +36,7 @@ def bench_decode(rows: list, nq: int, nk: int, hd: int, batch: int, ctx: int, sw
     splits = choose_splits(batch, nk, ctx, q.device)
     configs = [decode_config(hd, nq // nk)]
     if sweep:
-        configs += [(32, 4, 2), (64, 4, 2), (64, 8, 3), (128, 4, 2), (128, 8, 3), (32, 4, 4), (64, 4, 4)]
+        configs += [(64, 4, 2), (128, 4, 2), (64, 4, 4), (128, 4, 3)]
     for cfg in dict.fromkeys(configs):
         try:
             t = _bench(lambda cfg=cfg: paged_decode(q, cache[0], cache[1], tables, lens, out, hd ** -0.5, splits,
@@ -49,19 +49,29 @@ def bench_decode(rows: list, nq: int, nk: int, hd: int, batch: int, ctx: int, sw
                      "config": cfg, "seconds": t, "GB/s": nbytes / t / 1e9})
 
 
-def bench_prefill(rows: list, nq: int, nk: int, hd: int, seqs: int, length: int) -> None:
+def bench_prefill(rows: list, nq: int, nk: int, hd: int, seqs: int, length: int, sweep: bool) -> None:
     from pagoda_cuda.attention.prefill import build_tile_map, paged_prefill, prefill_config
 
     cache, tables, lens = _paged(seqs, length, nk, hd)
     q = torch.randn(seqs * length, nq, hd, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     qsl = [i * length for i in range(seqs + 1)]
-    tiles = torch.from_numpy(build_tile_map(qsl, 0, prefill_config(hd)[0])).cuda()
     qsl_t = torch.tensor(qsl, device="cuda", dtype=torch.int32)
-    t = _bench(lambda: paged_prefill(q, cache[0], cache[1], tables, lens, qsl_t, tiles, out, hd ** -0.5))
     flops = seqs * nq * hd * 4 * length * (length + 1) / 2
-    rows.append({"kernel": "prefill attention", "shape": f"{seqs}x{length} nq{nq} nk{nk} d{hd}", "seconds": t,
-                 "TFLOP/s": flops / t / 1e12})
+    configs = [prefill_config(hd)]
+    if sweep:
+        configs += [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 32, 4, 2)]
+    for cfg in dict.fromkeys(configs):
+        tiles = torch.from_numpy(build_tile_map(qsl, 0, cfg[0])).cuda()
+        try:
+            t = _bench(lambda cfg=cfg, tiles=tiles: paged_prefill(q, cache[0], cache[1], tables, lens, qsl_t, tiles,
+                                                                  out, hd ** -0.5, config=cfg))
+        except Exception as exc:
+            rows.append({"kernel": "prefill attention", "shape": f"{seqs}x{length} nq{nq} nk{nk} d{hd}",
+                         "config": cfg, "error": str(exc).splitlines()[0][:120]})
+            continue
+        rows.append({"kernel": "prefill attention", "shape": f"{seqs}x{length} nq{nq} nk{nk} d{hd}", "config": cfg,
+                     "seconds": t, "TFLOP/s": flops / t / 1e12})
 
 
 def bench_moe(rows: list, tokens: int, hidden: int, inner: int, experts: int, topk: int) -> None:
@@ -179,8 +189,8 @@ def main(argv=None) -> int:
         lambda: bench_decode(rows, 32, 32, 96, 256, 640, not args.no_sweep),  # phi3-mini
         lambda: bench_decode(rows, 32, 4, 128, 256, 640, False),  # qwen3-30b-a3b
         lambda: bench_decode(rows, 16, 8, 128, 4, 16384, False),  # long context, split
-        lambda: bench_prefill(rows, 16, 8, 128, 16, 512),
-        lambda: bench_prefill(rows, 32, 32, 96, 16, 512),
+        lambda: bench_prefill(rows, 16, 8, 128, 16, 512, not args.no_sweep),
+        lambda: bench_prefill(rows, 32, 32, 96, 16, 512, not args.no_sweep),
         lambda: bench_moe(rows, 256, 2048, 768, 128, 8),
         lambda: bench_moe(rows, 4096, 2048, 768, 128, 8),
         lambda: bench_small_ops(rows, 256),

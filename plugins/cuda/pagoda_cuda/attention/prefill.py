@@ -130,7 +130,7 @@ def build_tile_map(query_start_loc: list[int], first_seq: int, block_m: int) -> 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, tile_map: torch.Tensor,
                   out: torch.Tensor, scale: float, sliding_window: int | None = None,
-                  soft_cap: float | None = None) -> None:
+                  soft_cap: float | None = None, config: tuple[int, int, int, int] | None = None) -> None:
     """q [T, nq, D], out [T, nq, Dv] over the whole batch (rows addressed through
     query_start_loc); caches [num_blocks, block_size, nk, D] and [..., Dv] (Dv may differ from
     D: MLA's expanded keys and values); tile_map [num_tiles, 2] int32 from ``build_tile_map``
@@ -141,7 +141,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _, nq, head = q.shape
     head_v = v_cache.shape[-1]
     nk, page = k_cache.shape[2], k_cache.shape[1]
-    block_m, block_n, num_warps, num_stages = prefill_config(max(head, head_v))
+    # ``config`` (kernel sweeps) must keep the BLOCK_M the tile map was built with
+    block_m, block_n, num_warps, num_stages = config or prefill_config(max(head, head_v))
     _prefill_kernel[(num_tiles, nq)](
         q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables, block_tables.stride(0),
