@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 
+import httpx
 import pytest
 import torch
 from pagoda import LLM, SamplingParams
@@ -115,7 +116,7 @@ def test_killed_worker_stops_the_engine_with_a_clear_error(llama):
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
-    path = make_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("qwen3"), seed=4, **QWEN3)
+    path = make_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("qwen3"), seed=4, tokenizer=True, **QWEN3)
     llm = LLM(model=str(path), tensor_parallel_size=2, **ENGINE)
     yield path, llm
     llm.shutdown()
@@ -127,6 +128,20 @@ def test_tp2_replicated_kv_head_and_tied_embeddings(qwen3):
     assert _tokens(llm.generate(prompts, GREEDY)) == hf_greedy_tokens(path, prompts, 24)
     attn = llm.engine.runner.model.model.layers[0].self_attn
     assert (attn.num_heads, attn.num_kv_heads, attn.qkv_proj.kv_replicas) == (2, 1, 2)
+
+
+def test_serve_over_tp2(qwen3):
+    from pagoda.engine.async_engine import AsyncEngine
+    from pagoda.server import ServerConfig, ServerThread
+    from pagoda.server.app import create_app
+
+    _, llm = qwen3
+    request = {"model": "tiny", "prompt": "hello", "max_tokens": 6, "temperature": 0}
+    with ServerThread(create_app(AsyncEngine(llm.engine), ServerConfig(served_model_name="tiny"))) as srv:
+        reply = httpx.post(srv.url + "/v1/completions", json=request, timeout=60)
+    assert reply.status_code == 200, reply.text
+    expected = llm.generate("hello", SamplingParams(temperature=0, max_tokens=6))[0].outputs[0].text
+    assert reply.json()["choices"][0]["text"] == expected
 
 
 def test_worker_exception_names_rank_and_exception(qwen3):
