@@ -80,9 +80,10 @@ def test_closing_a_stream_aborts_and_a_timeout_aborts(engine):
             async for _ in timed:
                 pass
         await asyncio.sleep(0.05)
-        return await ae.get_stats()
+        return await ae.get_stats(), ae.num_unfinished()
 
-    stats = run(engine, scenario)
+    stats, unfinished = run(engine, scenario)
+    assert unfinished == 0
     assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and idle(engine)
 
 

@@ -95,3 +95,14 @@ def test_serve_help_lists_server_and_engine_flags(capsys):
         assert flag in text, flag
     assert set(ServerConfig.model_fields) >= {"host", "port", "api_keys", "served_model_name",
                                               "cors_allow_origins", "max_queued_requests", "request_timeout"}
+
+
+def test_docs_list_every_server_key_with_its_default():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    rows = {line.split("|")[1].strip().strip("`"): line for line in text.splitlines() if line.startswith("| `")}
+    for name, field in ServerConfig.model_fields.items():
+        assert name in rows, f"docs/serving.md does not document server key {name!r}"
+        default = field.default_factory() if field.default_factory else field.default
+        shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else \
+            ("[]" if default == [] else f"{default:g}" if isinstance(default, float) else str(default))
+        assert f"`{shown}`" in rows[name], (name, shown)

@@ -96,6 +96,15 @@ def test_streaming_client_that_disconnects_is_aborted(server):
     s = wait_idle(server, timeout=5)  # far less than the ~3 s the 900 tokens would take, plus margin
     assert s["kv_blocks_free"] == s["kv_blocks_total"]
     assert value(metrics(server), "pagoda_requests_finished_total", finish_reason="abort") == aborted + 1
+    for _ in range(3):  # gone right after the headers, before any event was read
+        with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=30,
+                          json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 900,
+                                "ignore_eos": True, "stream": True}) as r:
+            assert r.status_code == 200
+    started = time.monotonic()
+    wait_idle(server, timeout=5)
+    assert time.monotonic() - started < 2.5
+    assert value(metrics(server), "pagoda_requests_finished_total", finish_reason="abort") == aborted + 4
 
 
 def test_non_streaming_client_that_disconnects_is_aborted(server):

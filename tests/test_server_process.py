@@ -79,7 +79,8 @@ def test_full_queue_is_refused_with_429(process):
     body = {"prompt": "Write a long story.", "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=process.url, headers=AUTH, timeout=60) as client:
         with client.stream("POST", "/v1/completions", json=body) as running:
-            next(running.iter_lines())  # the one seat is taken
+            lines = running.iter_lines()  # (kept: dropping the iterator would close the response)
+            assert next(lines).startswith("data: ")  # the one seat is taken
             with client.stream("POST", "/v1/completions", json=body) as waiting:
                 assert waiting.status_code == 200  # the one queue slot
                 refused = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})

@@ -68,6 +68,7 @@ class Plan:
     temperature: float
     timeout: float
     arrivals: list[float] | None = None  # seconds after start (rate mode)
+    rate: float | None = None
     concurrency: int | None = None
     duration: float | None = None
     results: list[Result] = field(default_factory=list)
@@ -189,7 +190,7 @@ def report(plan: Plan, wall: float) -> dict:
     ms = lambda d: {k: (None if v is None else round(v * 1000, 3)) for k, v in d.items()}  # noqa: E731
     return {
         "model": plan.model, "endpoint": plan.endpoint, "url": plan.url,
-        "mode": f"concurrency {plan.concurrency}" if plan.concurrency else f"rate {len(plan.arrivals or [])} req",
+        "mode": f"concurrency {plan.concurrency}" if plan.concurrency else f"rate {plan.rate:g}/s",
         "requests": len(plan.results), "completed": len(ok), "errors": errors, "duration_s": round(wall, 3),
         "request_throughput": round(len(ok) / wall, 3) if wall > 0 else None,
         "output_tokens": out_tokens, "output_tokens_per_s": round(out_tokens / wall, 2) if wall > 0 else None,
@@ -224,7 +225,7 @@ def build_plan(args) -> Plan:
     if args.request_rate is not None:
         if args.request_rate <= 0:
             raise ConfigError("--request-rate must be > 0")
-        t, plan.arrivals = 0.0, []
+        t, plan.arrivals, plan.rate = 0.0, [], args.request_rate
         for _ in prompts:
             plan.arrivals.append(t)
             t += rng.expovariate(args.request_rate)

@@ -304,7 +304,10 @@ class AsyncEngine:
                 commands, self._commands = self._commands, []
                 stop = self._stop
             for command in commands:
-                command()
+                try:
+                    command()
+                except Exception:  # commands resolve their own futures; a bug here must not kill the loop
+                    logger.exception("an engine command failed")
             if stop:
                 self._abort_all(RequestAbortedError("the server shut down before the request finished"))
                 return

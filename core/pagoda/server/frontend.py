@@ -10,6 +10,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from pagoda.engine.async_engine import AsyncEngine, RequestStream, RequestTimeoutError
 from pagoda.errors import ModelLoadError, RequestError
@@ -24,6 +25,22 @@ from pagoda.tokenizer import apply_chat_template
 
 class ClientDisconnected(Exception):
     """The client closed the connection before the response was ready."""
+
+
+class RequestStreamingResponse(StreamingResponse):
+    """A streamed response that closes its requests' streams however it ends (done, client gone,
+    cancelled at shutdown, or never started), so an unfinished request is always aborted."""
+
+    def __init__(self, content, streams: list[RequestStream], **kwargs):
+        super().__init__(content, **kwargs)
+        self.streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for stream in self.streams:
+                stream.close()
 
 
 class Frontend:

@@ -13,14 +13,14 @@ from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 import pagoda
 from pagoda.engine.async_engine import RequestStream
 from pagoda.outputs import RequestOutput
 from pagoda.server.errors import APIError, to_api_error
 from pagoda.server.formatting import DeltaTracker
-from pagoda.server.frontend import ClientDisconnected, Frontend
+from pagoda.server.frontend import ClientDisconnected, Frontend, RequestStreamingResponse
 from pagoda.server.protocol import OllamaBase, OllamaChatRequest, OllamaGenerateRequest
 
 router = APIRouter()
@@ -123,7 +123,8 @@ async def respond(fe: Frontend, request: Request, body: OllamaBase, stream: Requ
         except ClientDisconnected:
             return Response(status_code=499)
         return JSONResponse({**piece(body, out.outputs[0].text, chat), **final_fields(out, start, chat)})
-    return StreamingResponse(ndjson(fe, body, stream, chat, start), media_type="application/x-ndjson")
+    return RequestStreamingResponse(ndjson(fe, body, stream, chat, start), [stream],
+                                    media_type="application/x-ndjson")
 
 
 async def ndjson(fe: Frontend, body: OllamaBase, stream: RequestStream, chat: bool,

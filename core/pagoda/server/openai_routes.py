@@ -15,7 +15,7 @@ from pagoda.engine.async_engine import RequestStream
 from pagoda.outputs import RequestOutput
 from pagoda.server.errors import APIError, to_api_error
 from pagoda.server.formatting import DeltaTracker, chat_logprobs, completion_logprobs, usage_sum
-from pagoda.server.frontend import ClientDisconnected, Frontend, merge
+from pagoda.server.frontend import ClientDisconnected, Frontend, RequestStreamingResponse, merge
 from pagoda.server.protocol import ChatCompletionRequest, CompletionRequest
 
 router = APIRouter()
@@ -80,7 +80,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     rid = f"cmpl-{uuid.uuid4().hex}"
     echo = [echo_text(fe, text, ids) if body.echo else "" for text, ids, _ in items]
     if body.stream:
-        return event_stream(completion_events(fe, body, streams, rid, echo))
+        return event_stream(completion_events(fe, body, streams, rid, echo), streams)
     try:
         outs = await fe.collect(request, streams)
     except ClientDisconnected:
@@ -153,7 +153,7 @@ def _stops(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop or [])
 
 
-def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+def event_stream(events: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
     """SSE response; an error after the headers went out is sent as an ``error`` event."""
 
     async def body() -> AsyncIterator[str]:
@@ -165,8 +165,8 @@ def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
             yield sse(to_api_error(exc).body())
         yield sse("[DONE]")
 
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return RequestStreamingResponse(body(), streams, media_type="text/event-stream",
+                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 # ---------------------------------------------------------------------------- chat
@@ -182,7 +182,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     stream = await fe.submit(ids, params, text, prefix="chatcmpl")
     rid = stream.request_id
     if body.stream:
-        return event_stream(chat_events(fe, body, stream, rid))
+        return event_stream(chat_events(fe, body, stream, rid), [stream])
     try:
         (out,) = await fe.collect(request, [stream])
     except ClientDisconnected:
