@@ -106,3 +106,15 @@ def test_docs_list_every_server_key_with_its_default():
         shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else \
             ("[]" if default == [] else f"{default:g}" if isinstance(default, float) else str(default))
         assert f"`{shown}`" in rows[name], (name, shown)
+
+
+def test_a_busy_port_fails_before_the_model_is_loaded(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert pagoda_main(["serve", "--port", str(port), "--model", str(tmp_path / "not-loaded")]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "does not exist" not in err

@@ -22,7 +22,8 @@ def server(tmp_path_factory):
     path = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("errors"), seed=2, tokenizer=True, **TINY)
     engine = EngineConfig(model=str(path), device="cpu", dtype="float32", num_kv_blocks=128, block_size=8,
                           max_num_seqs=2, served_model_name="tiny")
-    app = build_app(engine, ServerConfig(max_queued_requests=2, max_request_bytes=20_000))
+    app = build_app(engine, ServerConfig(max_queued_requests=2, max_request_bytes=20_000,
+                                         cors_allow_origins=["http://app.example"]))
     with ServerThread(app) as srv:
         yield srv
 
@@ -187,3 +188,25 @@ def test_request_timeout_answers_504_and_frees_blocks(server, monkeypatch):
     with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}) as r:
         events = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert '"timeout_error"' in events[-2] and events[-1] == "data: [DONE]"  # an error event ends the stream
+
+
+def test_draining_server_refuses_new_requests_and_reports_unhealthy(server):
+    engine = server.app.state.async_engine
+    engine.stop_accepting()  # what the first moment of a graceful shutdown does
+    try:
+        assert httpx.get(server.url + "/health").status_code == 503
+        err = error_of(post(server, "/v1/completions", {"prompt": "x"}), 503)
+        assert "shutting down" in err["message"]
+    finally:
+        engine.accepting = True
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+def test_cors_allows_the_configured_origin_only(server):
+    preflight = httpx.options(server.url + "/v1/chat/completions", headers={
+        "Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "http://app.example"
+    other = httpx.get(server.url + "/v1/models", headers={"Origin": "http://evil.example"})
+    assert "access-control-allow-origin" not in other.headers

@@ -60,11 +60,16 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 
 def run(args) -> int:
-    from pagoda.server.runner import build_app, run_server
+    from pagoda.server.runner import bind, build_app, run_server
 
     server_config = server_config_from_args(args)  # checks the file's sections first
     engine_config = engine_config_from_args(args)
-    app = build_app(engine_config, server_config)
+    sock = bind(server_config.host, server_config.port)  # a busy port fails now, not after loading the model
+    try:
+        app = build_app(engine_config, server_config)
+    except BaseException:
+        sock.close()
+        raise
     fe = app.state.frontend
     engine = app.state.async_engine.engine
 
@@ -73,4 +78,4 @@ def run(args) -> int:
               f"{fe.max_model_len}) on {url}{' (API keys required)' if server_config.api_keys else ''}",
               file=sys.stderr, flush=True)
 
-    return run_server(app, server_config, announce=announce)
+    return run_server(app, server_config, announce=announce, sock=sock)

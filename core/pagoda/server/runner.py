@@ -77,10 +77,11 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_server(app, config: ServerConfig, announce=None) -> int:
+def run_server(app, config: ServerConfig, announce=None, sock: socket.socket | None = None) -> int:
     """Serve in the foreground until SIGTERM/SIGINT; return 0 after a graceful shutdown.
+    ``sock``: a socket from ``bind`` (else config.host:config.port is bound here).
     ``announce(url)`` is called once the port is bound (with the real port when port is 0)."""
-    sock = bind(config.host, config.port)
+    sock = sock or bind(config.host, config.port)
     port = sock.getsockname()[1]
     server = _uvicorn_server(app, config, port=port)
     if announce is not None:
