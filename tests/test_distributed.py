@@ -3,19 +3,25 @@ transformers, torchrun, worker failures, and the pieces (step mirror, lazy slice
 
 import json
 import os
+import queue
 import shutil
 import signal
 import subprocess
 import sys
+import threading
+from types import SimpleNamespace
 
 import httpx
 import pytest
 import torch
 from pagoda import LLM, SamplingParams
 from pagoda.config import EngineConfig
+from pagoda.distributed.control import Kind
+from pagoda.distributed.executor import TensorParallelExecutor, _Run
 from pagoda.distributed.failures import WorkerError, describe_exit, read_failure, report_failure
 from pagoda.distributed.process_group import RankInfo, check_world
 from pagoda.distributed.step_codec import StepDecoder, StepEncoder
+from pagoda.distributed.worker_main import serve_rank
 from pagoda.errors import ConfigError
 from pagoda.interfaces import Platform
 from pagoda.loader.lazy_tensor import LazyTensor
@@ -155,6 +161,92 @@ def test_worker_exception_names_rank_and_exception(qwen3):
 
 
 # ---------------------------------------------------------------------------- pieces, no processes
+class _LoopbackChannel:
+    """Rank 0's and rank 1's ends of the control channel in one process (queues, no group)."""
+
+    world_size = 2
+
+    def __init__(self):
+        self.messages, self.results = queue.Queue(), queue.Queue()
+
+    def send(self, kind, payload=None, mode=0, arg=0):
+        self.messages.put((kind, mode, arg, payload))
+
+    def send_words(self, words, mode, arg=0):
+        self.messages.put((Kind.STEP, mode, arg, words.copy()))
+
+    def send_call(self, name, args, kwargs):
+        self.messages.put((Kind.CALL, 0, 0, (name, args, kwargs)))
+
+    def gather_results(self, own):
+        return [own, self.results.get(timeout=10)]
+
+    def receive(self):
+        return self.messages.get(timeout=10)
+
+    def send_result(self, result):
+        self.results.put(result)
+
+
+class _RecordingRunner:
+    """Stands for a rank's ModelRunner: records what it is asked to run; a launched decode
+    step's tokens are its input ids + 1 (as a model's argmax would be, identical on all ranks)."""
+
+    def __init__(self):
+        self.log, self.sampler = [], None
+
+    def execute(self, out):
+        self.log.append(("execute", [(it.seq.seq_id, it.seq.token_ids[-1]) for it in out.scheduled]))
+
+    def launch_decode(self, out, ahead=0, input_ids=None):
+        ids = input_ids.tolist() if input_ids is not None else [it.seq.token_ids[-1] for it in out.scheduled]
+        self.log.append(("launch", ahead, [it.seq.num_computed_tokens for it in out.scheduled], ids))
+        return SimpleNamespace(tokens=torch.tensor(ids) + 1)
+
+    def collect_decode(self, pending):
+        return pending.tokens.tolist()
+
+    def forget(self, seq_id):
+        self.log.append(("forget", seq_id))
+
+    def available_kv_blocks(self):
+        return 7
+
+    def allocate_kv_cache(self, num_blocks):
+        self.log.append(("allocate", num_blocks))
+
+
+def test_lookahead_launches_reach_every_rank_with_its_own_device_tokens():
+    """The protocol of decode lookahead under tensor parallelism (graphs only run on GPUs)."""
+    channel = _LoopbackChannel()
+    driver, worker = _RecordingRunner(), _RecordingRunner()
+    executor = TensorParallelExecutor(driver, _Run(channel, None, None, "gloo"))
+    served = threading.Thread(target=serve_rank, args=(worker, channel))
+    served.start()
+    try:
+        seqs = [Sequence("r", i, [10 * (i + 1), 5], SamplingParams()) for i in range(2)]
+        for s in seqs:
+            s.num_computed_tokens, s.block_table = 1, [s.seq_id % 7]
+        out = SchedulerOutput([ScheduledSeq(s, 1, True) for s in seqs], 2, 2)
+        first = executor.launch_decode(out)
+        second = executor.launch_decode(out, ahead=1, input_ids=first.tokens)  # before first's tokens are known
+        for s, token in zip(seqs, executor.collect_decode(first)):
+            s.append_token(token)
+            s.num_computed_tokens += 1
+        executor.launch_decode(out, ahead=1, input_ids=second.tokens)
+        assert executor.allocate_kv_cache() == 7
+        executor.forget(seqs[0].seq_id)
+        executor.execute(SchedulerOutput([ScheduledSeq(seqs[1], 1, True)], 1, 1))
+    finally:
+        executor.shutdown()
+        served.join(10)
+    assert not served.is_alive()
+    assert [e for e in worker.log if e[0] != "forget"] == [e for e in driver.log if e[0] != "forget"]
+    assert [e[1:] for e in driver.log if e[0] == "launch"] == [(0, [1, 1], [5, 5]), (1, [1, 1], [6, 6]),
+                                                             (1, [2, 2], [7, 7])]
+    assert ("forget", seqs[0].seq_id) in worker.log
+
+
 def test_step_mirror_tracks_sequences_across_steps():
     enc, dec = StepEncoder(), StepDecoder()
     a = Sequence("r", 0, [1, 2, 3, 4, 5], SamplingParams())

@@ -1,7 +1,7 @@
 """The control plane: rank 0 tells the other ranks what to run next, over torch.distributed.
 
 Every message is two broadcasts from rank 0 on the gloo control group: a fixed header
-``[kind, payload length, mode]`` (int64) and the payload — int64 words for a model step
+``[kind, payload length, mode, argument]`` (int64) and the payload — int64 words for a model step
 (``pagoda.distributed.step_codec``), pickled bytes for a call. Calls that return something
 gather one pickled result per rank back to rank 0.
 """
@@ -26,6 +26,9 @@ class Kind(enum.IntEnum):
 class StepMode(enum.IntEnum):
     EXECUTE = 0  # runner.execute (rank 0 samples)
     ALL_LOGITS = 1  # runner.forward_all_logits (scoring)
+    # runner.launch_decode (decode lookahead); argument: ``ahead``; with ahead > 0 the input ids
+    # are the tokens of the rank's own previous launch (every rank holds the same full logits)
+    LAUNCH = 2
 
 
 class ControlChannel:
@@ -33,18 +36,18 @@ class ControlChannel:
         self.group = group
         self.rank = rank
         self.world_size = world_size
-        self._header = torch.zeros(3, dtype=torch.int64)
+        self._header = torch.zeros(4, dtype=torch.int64)
 
     # ------------------------------------------------------------------ rank 0
-    def send(self, kind: Kind, payload: torch.Tensor | None = None, mode: int = 0) -> None:
+    def send(self, kind: Kind, payload: torch.Tensor | None = None, mode: int = 0, arg: int = 0) -> None:
         n = 0 if payload is None else payload.numel()
-        self._header[0], self._header[1], self._header[2] = int(kind), n, mode
+        self._header[0], self._header[1], self._header[2], self._header[3] = int(kind), n, mode, arg
         dist.broadcast(self._header, src=0, group=self.group)
         if n:
             dist.broadcast(payload, src=0, group=self.group)
 
-    def send_words(self, words: np.ndarray, mode: int) -> None:
-        self.send(Kind.STEP, torch.from_numpy(words), mode)
+    def send_words(self, words: np.ndarray, mode: int, arg: int = 0) -> None:
+        self.send(Kind.STEP, torch.from_numpy(words), mode, arg)
 
     def send_call(self, name: str, args: tuple, kwargs: dict) -> None:
         data = pickle.dumps((name, args, kwargs))
@@ -57,21 +60,21 @@ class ControlChannel:
         return out
 
     # ------------------------------------------------------------------ ranks > 0
-    def receive(self) -> tuple[Kind, int, Any]:
-        """(kind, mode, payload): payload is the int64 numpy array of a step or the
+    def receive(self) -> tuple[Kind, int, int, Any]:
+        """(kind, mode, argument, payload): payload is the int64 numpy array of a step or the
         unpickled (name, args, kwargs) of a call."""
         dist.broadcast(self._header, src=0, group=self.group)
-        kind, n, mode = (int(v) for v in self._header.tolist())
+        kind, n, mode, arg = (int(v) for v in self._header.tolist())
         kind = Kind(kind)
         if kind is Kind.STOP:
-            return kind, mode, None
+            return kind, mode, arg, None
         dtype = torch.int64 if kind is Kind.STEP else torch.uint8
         payload = torch.empty(n, dtype=dtype)
         if n:
             dist.broadcast(payload, src=0, group=self.group)
         if kind is Kind.STEP:
-            return kind, mode, payload.numpy()
-        return kind, mode, pickle.loads(payload.numpy().tobytes())
+            return kind, mode, arg, payload.numpy()
+        return kind, mode, arg, pickle.loads(payload.numpy().tobytes())
 
     def send_result(self, result: Any) -> None:
         dist.gather_object(result, None, dst=0, group=self.group)

@@ -4,8 +4,10 @@
 torchrun) it returns a plain ``ModelRunner`` — today's path, nothing in between. Otherwise
 it starts or joins the ranks (``pagoda.distributed.process_group``) and rank 0 gets a
 ``TensorParallelExecutor``: the same interface as the runner (``execute``,
-``forward_all_logits``, ``allocate_kv_cache``, ``capture_graphs``, ``forget``, and rank 0's
-runner attributes such as ``model`` and ``expert_counts``). Each step, rank 0 broadcasts the
+``launch_decode``/``collect_decode``, ``forward_all_logits``, ``allocate_kv_cache``,
+``capture_graphs``, ``forget``, and rank 0's runner attributes such as ``model``, ``graphs``
+and ``expert_counts``; a runner method it does not know raises instead of running on rank 0
+alone). Each step, rank 0 broadcasts the
 scheduled batch, then runs its own shard; every rank runs the same ``ModelRunner.execute``
 and meets the others in the layers' collectives; only rank 0 samples.
 
@@ -215,6 +217,20 @@ class TensorParallelExecutor:
         with self._collective("a model step"):
             self.run.channel.send_words(words, StepMode.EXECUTE)
             return self.driver.execute(out)
+
+    @torch.inference_mode()
+    def launch_decode(self, out, ahead: int = 0, input_ids: torch.Tensor | None = None):
+        """Decode lookahead (``pagoda.engine.lookahead``): every rank launches the step from its
+        graphs; a step launched ahead takes each rank's own tokens of the previous launch, which
+        agree because every rank argmaxes the same gathered logits."""
+        words = self.encoder.encode(out)
+        with self._collective("a decode step"):
+            self.run.channel.send_words(words, StepMode.LAUNCH, ahead)
+            return self.driver.launch_decode(out, ahead, input_ids)
+
+    def collect_decode(self, pending) -> list[int]:
+        with self._collective("a decode step"):
+            return self.driver.collect_decode(pending)
 
     @torch.inference_mode()
     def forward_all_logits(self, out) -> torch.Tensor:

@@ -43,16 +43,21 @@ def serve_rank(runner: Any, channel: ControlChannel) -> None:
     """Run steps and calls from rank 0 until it sends STOP."""
     runner.sampler = NoSampling()
     decoder = StepDecoder()
+    launched = None  # the last launch_decode's PendingDecode (its tokens feed a step launched ahead)
     while True:
-        kind, mode, payload = channel.receive()
+        kind, mode, arg, payload = channel.receive()
         if kind is Kind.STOP:
             return
         if kind is Kind.STEP:
-            out, freed = decoder.decode(payload, persistent=mode == StepMode.EXECUTE)
+            out, freed = decoder.decode(payload, persistent=mode != StepMode.ALL_LOGITS)
             for seq_id in freed:
                 runner.forget(seq_id)
             if mode == StepMode.EXECUTE:
                 runner.execute(out)
+            elif mode == StepMode.LAUNCH:
+                if arg and launched is None:
+                    raise RuntimeError("a decode step launched ahead, but no step was launched before it")
+                launched = runner.launch_decode(out, arg, launched.tokens if arg else None)
             else:
                 runner.forward_all_logits(out)
         else:
