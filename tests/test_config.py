@@ -65,3 +65,8 @@ def test_cli_flags_cover_every_key_and_override_the_file(tmp_path):
     cfg = engine_config_from_args(args)
     assert cfg.max_num_seqs == 9 and cfg.enable_prefix_caching is False
     assert cfg.quantization == {"default": "fp8"}
+
+
+def test_sectioned_file_rejects_unknown_sections(tmp_path):
+    with pytest.raises(ConfigError, match="unknown top-level key.*'egnine'"):
+        load_engine_config(write(tmp_path, "egnine:\n  max_num_seqs: 3\nserver:\n  port: 1\n"))

@@ -80,3 +80,21 @@ def test_logprobs_are_the_raw_log_softmax():
     assert rank == 1 and abs(chosen - ref.max().item()) < 1e-6
     assert [t for t, _ in top] == ref.topk(3).indices.tolist()
     assert result.logprobs[1] is None
+
+
+def test_detokenizer_flushes_a_split_character_when_the_sequence_ends():
+    from pagoda.detokenizer import Detokenizer
+    from pagoda.sequence import SequenceStatus
+
+    class ByteTokenizer:  # token id = one byte
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    seq = Sequence("d", 0, [65], SamplingParams())
+    detok = Detokenizer(ByteTokenizer())
+    seq.append_token(0xE6)  # the first byte of a 3-byte character
+    detok.step([seq])
+    assert seq.text == ""  # held back while the character may still complete
+    seq.status = SequenceStatus.FINISHED_LENGTH
+    detok.step([seq])
+    assert seq.text == "\ufffd"

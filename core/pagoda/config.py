@@ -121,6 +121,10 @@ def read_yaml(path: str | os.PathLike) -> dict:
 def engine_section(data: dict, source: str) -> dict:
     """A file is either flat EngineConfig keys or has ``engine:`` (and ``server:``) sections."""
     if "engine" in data or "server" in data:
+        unknown = sorted(set(data) - {"engine", "server"})
+        if unknown:
+            raise ConfigError(f"{source}: unknown top-level key(s) {', '.join(map(repr, unknown))}; a file with "
+                              f"sections holds only 'engine:' and 'server:'")
         section = data.get("engine") or {}
         if not isinstance(section, dict):
             raise ConfigError(f"{source}: 'engine' must be a mapping")

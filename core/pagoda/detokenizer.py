@@ -43,7 +43,9 @@ class Detokenizer:
             for n, i in enumerate(idx):
                 seq = seqs[i]
                 before, after = texts[2 * n], texts[2 * n + 1]
-                if len(after) > len(before) and not after.endswith("\ufffd"):
+                # A trailing U+FFFD is a character still split over tokens: wait for the rest,
+                # unless the sequence has ended.
+                if len(after) > len(before) and (seq.is_finished or not after.endswith("\ufffd")):
                     delta = after[len(before):]
                     seq.text += delta
                     deltas[i] = delta
