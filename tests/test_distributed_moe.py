@@ -142,6 +142,12 @@ def test_placement_file_errors_name_the_file_and_layer(tmp_path):
         ExpertPlacement.load(tmp_path / "missing.json")
 
 
+def test_placement_without_expert_parallelism_is_an_error(qwen):
+    path, _ = qwen
+    with pytest.raises(ConfigError, match="expert_placement 'p.json' .* needs enable_expert_parallel"):
+        LLM(model=str(path), device="cpu", expert_placement="p.json")
+
+
 def test_every_pair_is_computed_by_exactly_one_replica():
     holders = [[0, 1, 2, 5], [2, 3, 4, 5]]  # experts 2 and 5 on both ranks
     shards = [ExpertShard(6, holders, rank) for rank in range(2)]

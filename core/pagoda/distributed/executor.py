@@ -50,6 +50,7 @@ from pagoda.distributed.process_group import (
 )
 from pagoda.distributed.rank_runner import build_rank_runner
 from pagoda.distributed.step_codec import StepEncoder
+from pagoda.errors import ConfigError
 from pagoda.interfaces import Platform
 
 logger = logging.getLogger("pagoda")
@@ -61,6 +62,9 @@ LOCAL_METHODS = frozenset({"spec_summary", "kv_bytes_per_token", "bytes_per_bloc
 
 def create_executor(config: EngineConfig, source: Any, hf_config: Any, platform: Platform, dtype: str) -> Any:
     info = launcher_env()
+    if config.expert_placement and not (config.enable_expert_parallel and config.tensor_parallel_size > 1):
+        raise ConfigError(f"expert_placement {config.expert_placement!r} places experts on expert-parallel ranks: "
+                          f"it needs enable_expert_parallel and tensor_parallel_size > 1")
     if config.tensor_parallel_size == 1 and info is None:
         from pagoda.engine.model_runner import ModelRunner
 
