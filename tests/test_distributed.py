@@ -80,6 +80,13 @@ def test_tp2_prompt_logits_match_transformers(llama):
     torch.testing.assert_close(llm.prompt_logits(prompt), hf_prompt_logits(path, prompt), atol=2e-4, rtol=2e-4)
 
 
+def test_second_tensor_parallel_engine_is_refused_and_the_first_keeps_working(llama):
+    path, llm = llama
+    with pytest.raises(ConfigError, match="one tensor-parallel engine per process"):
+        LLM(model=str(path), tensor_parallel_size=2, **ENGINE)
+    assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].outputs[0].token_ids
+
+
 def test_tp2_rank0_holds_half_of_each_sharded_weight(llama):
     _, llm = llama
     model = llm.engine.runner.model

@@ -87,6 +87,10 @@ def _start_local_run(config, source, hf_config, platform, dtype) -> TensorParall
     from pagoda.distributed.worker_main import CONFIG_KEY, DTYPE_KEY, PLATFORM_KEY, READY_KEY
 
     world = config.tensor_parallel_size
+    if dist.is_initialized():  # before starting anything: the group in place belongs to someone else
+        raise ConfigError("torch.distributed is already initialised in this process (another tensor-parallel "
+                          "engine?): one tensor-parallel engine per process; shut the other down first "
+                          "(LLM.shutdown())")
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
     store.set(CONFIG_KEY, config.model_dump_json())
     store.set(PLATFORM_KEY, platform.name)
