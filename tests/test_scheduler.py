@@ -176,3 +176,14 @@ def test_stops_on_eos_stop_ids_and_max_tokens():
     sched.update(out, {s2.seq_id: 0, s3.seq_id: 0}, eos_token_ids={0})
     assert s2.status is SequenceStatus.FINISHED_LENGTH and s3.status is SequenceStatus.FINISHED_STOPPED
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_prefill_token_count_includes_a_last_single_token_chunk():
+    bm, sched = make(budget=5)
+    s = seq(6, base=300)
+    sched.add(s)
+    run_step(sched)  # 5 prompt tokens
+    out = run_step(sched)  # the prompt's last token, alone: scheduled like a decode
+    assert out.num_decodes == 1 and sched.stats.num_prefill_tokens == 6
+    run_step(sched)  # a real decode adds nothing
+    assert sched.stats.num_prefill_tokens == 6

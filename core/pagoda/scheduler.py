@@ -149,7 +149,7 @@ class Scheduler:
         out.num_decodes = len(decodes)
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         self.stats.num_steps += 1
-        self.stats.num_prefill_tokens += sum(s.num_new_tokens for s in prefills)
+        self.stats.num_prefill_tokens += sum(_prefill_tokens(item) for item in out.scheduled)
         return out
 
     # ------------------------------------------------------------------ after the model ran
@@ -201,6 +201,15 @@ class Scheduler:
         if num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
+
+
+def _prefill_tokens(item: ScheduledSeq) -> int:
+    """Tokens of a scheduled chunk that are prompt work (the prompt, or everything but the last
+    token when a preempted sequence recomputes), whether the chunk is long or a last single token."""
+    seq = item.seq
+    start = seq.num_computed_tokens
+    limit = max(seq.num_prompt_tokens, seq.num_tokens - 1)
+    return max(0, min(start + item.num_new_tokens, limit) - start)
 
 
 def monotonic() -> float:
