@@ -64,6 +64,12 @@ def run(args) -> int:
 
     server_config = server_config_from_args(args)  # checks the file's sections first
     engine_config = engine_config_from_args(args)
+    from pagoda.distributed.process_group import launcher_env
+
+    launched = launcher_env()
+    if launched is not None and launched.rank > 0:
+        build_app(engine_config, server_config)  # torchrun ranks > 0 serve rank 0's engine, then exit
+        return 0
     sock = bind(server_config.host, server_config.port)  # a busy port fails now, not after loading the model
     try:
         app = build_app(engine_config, server_config)
