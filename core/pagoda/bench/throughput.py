@@ -36,7 +36,9 @@ def add_parser(sub) -> None:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--ignore-eos", action="store_true", help="always generate --output-len tokens")
     p.add_argument("--repeats", type=int, default=2, help="timed runs of the workload (best is reported)")
-    p.add_argument("--warmup-prompts", type=int, default=16, help="prompts of the warm-up run (0: none)")
+    p.add_argument("--warmup-prompts", type=int, default=None, help="prompts of the warm-up run, each generating "
+                   "8 tokens (default: --num-prompts, so every batch shape the run meets is compiled before the "
+                   "timed runs; 0: no warm-up)")
     p.add_argument("--prompt-seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", metavar="FILE", help="write the result as JSON")
     p.add_argument("--profile", action="store_true", help="profile decode steps (host phases, kernels)")
@@ -143,6 +145,8 @@ def run(args) -> int:
         vocab = hf_config.vocab_size
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=args.ignore_eos,
                                 detokenize=False)
+        if args.warmup_prompts is None:
+            args.warmup_prompts = args.num_prompts
         if args.warmup_prompts:
             warm = SamplingParams(temperature=0.0, max_tokens=min(8, args.output_len), ignore_eos=True,
                                   detokenize=False)

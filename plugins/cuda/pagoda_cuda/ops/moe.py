@@ -17,6 +17,7 @@ activation dtype, as are the activation and the weighted product; the top-k sum 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -25,6 +26,8 @@ import triton
 import triton.language as tl
 
 from pagoda_cuda._triton import interpreting, next_pow2
+
+logger = logging.getLogger("pagoda")
 
 
 @triton.jit
@@ -125,9 +128,33 @@ def _combine_kernel(pairs_out_ptr, ids_ptr, out_ptr, H, num_experts, TOPK: tl.co
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
+# the one-launch Triton grouping serves up to this many pairs (decode and small prefills); the
+# torch ops sort larger batches. It is dropped for the process if it ever fails to build.
+TRITON_ALIGN_MAX_PAIRS = 16384
+_triton_align_ok = True
+
+
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(sorted pair ids [max_blocks*block_m] padded with num_pairs, expert of each block
-    [max_blocks] (num_experts past the end), max_blocks). Device ops only, no host sync."""
+    """(pair ids [max_blocks*block_m] grouped by expert, each expert's run padded to a multiple
+    of block_m with num_pairs, expert of each block [max_blocks] (num_experts past the end),
+    max_blocks). Device work only, no host sync (graph-capturable)."""
+    global _triton_align_ok
+    if _triton_align_ok and topk_ids.numel() <= TRITON_ALIGN_MAX_PAIRS:
+        try:
+            from pagoda_cuda.ops.moe_align import align_triton
+
+            return align_triton(topk_ids, num_experts, block_m)
+        except Exception as exc:  # a Triton build problem here: the torch ops below do the same
+            if topk_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise
+            _triton_align_ok = False
+            logger.warning("fused_moe: the Triton grouping kernel failed (%s: %s); using torch ops",
+                           type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+    return align_torch(topk_ids, num_experts, block_m)
+
+
+def align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``align`` with torch ops: a stable sort by expert (pairs keep their order in a run)."""
     device = topk_ids.device
     flat = topk_ids.reshape(-1).long()
     num_pairs = flat.numel()
