@@ -15,6 +15,7 @@ GPU = pytest.mark.gpu
 @dataclass
 class FakeLayer:
     spec: AttentionSpec
+    kv_scales: dict | None = None
 
 
 def make_batch(device, dtype, seqs, nq, nk, hs, block_size, seed=0, pad_to=None):

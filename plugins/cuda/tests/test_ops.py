@@ -86,6 +86,24 @@ def test_store_kv_cache_skips_padding(device, dtype):
     assert torch.equal(cache, want)
 
 
+@GPU
+def test_store_kv_cache_fp8_with_scales(device):
+    """An fp8 cache stores clamp(k / k_scale), bit for bit as the reference (GPU only: the
+    interpreter's fp8 conversions are not exact)."""
+    from pagoda_cuda.ops.kv_store import store_kv_cache
+
+    gen = torch.Generator().manual_seed(2)
+    cache = torch.zeros(2, 4, 4, 2, 16).to(device, torch.float8_e4m3fn)
+    want = cache.clone()
+    k = (torch.randn(5, 2, 16, generator=gen) * 8).to(device)
+    v = torch.randn(5, 2, 16, generator=gen).to(device)
+    slots = torch.tensor([0, 3, -1, 9, 15], device=device)
+    scales = torch.tensor(0.05, device=device), torch.tensor(0.02, device=device)
+    store_kv_cache(k, v, cache, slots, *scales)
+    ref.store_kv_cache(k, v, want, slots, *scales)
+    assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
+
+
 def _moe_case(device, dtype, tokens, hidden, inner, experts, topk, activation="silu", with_invalid=False):
     from pagoda_cuda.ops.moe import fused_moe
 

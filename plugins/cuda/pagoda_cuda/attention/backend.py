@@ -75,6 +75,7 @@ class TritonPagedAttention(AttentionBackend):
 
     def forward(self, layer, q, k, v, kv_cache, meta):
         import torch
+        from pagoda.layers.attention import is_quantized_kv_cache
 
         from pagoda_cuda.attention.decode import paged_decode
         from pagoda_cuda.attention.prefill import paged_prefill, prefill_config
@@ -84,18 +85,23 @@ class TritonPagedAttention(AttentionBackend):
         t = q.shape[0]
         nq, nk, hs = spec.num_heads, spec.num_kv_heads, spec.head_size
         q3, k3, v3 = q.view(t, nq, hs), k.view(t, nk, hs), v.view(t, nk, hs)
-        store_kv_cache(k3, v3, kv_cache, meta.slot_mapping[:t])
+        scales = getattr(layer, "kv_scales", None) if is_quantized_kv_cache(kv_cache) else None
+        if scales is not None:
+            store_kv_cache(k3, v3, kv_cache, meta.slot_mapping[:t], scales["k_scale"], scales["v_scale"])
+        else:
+            store_kv_cache(k3, v3, kv_cache, meta.slot_mapping[:t])
         out = torch.empty((t, nq, hs), dtype=q.dtype, device=q.device)
         data = meta.backend_data if isinstance(meta.backend_data, TritonStepData) else TritonStepData()
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         nd = meta.num_decodes
         if nd:
             paged_decode(q3[:nd], k_cache, v_cache, meta.block_tables, meta.seq_lens, out[:nd], spec.scale,
-                         self._splits(meta, data, nk, q.device), spec.sliding_window, spec.logits_soft_cap)
+                         self._splits(meta, data, nk, q.device), spec.sliding_window, spec.logits_soft_cap,
+                         kv_scales=scales)
         if meta.num_seqs > nd:
             if meta.for_graph:
                 raise RuntimeError("the triton backend captures decode-only batches; this one has prefills")
             tiles = self._tile_map(meta, data, prefill_config(hs)[0], q.device)
             paged_prefill(q3, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, tiles,
-                          out, spec.scale, spec.sliding_window, spec.logits_soft_cap)
+                          out, spec.scale, spec.sliding_window, spec.logits_soft_cap, kv_scales=scales)
         return out.view(t, nq * hs)

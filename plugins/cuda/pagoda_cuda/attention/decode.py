@@ -28,11 +28,11 @@ def _tanh(x):
 @triton.jit
 def _decode_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, stride_cs, stride_ch,
                    tables_ptr, stride_tb, stride_tn, seq_lens_ptr, out_ptr, stride_ot, stride_oh,
-                   part_out_ptr, part_lse_ptr, scale, soft_cap, window,
+                   part_out_ptr, part_lse_ptr, scale, soft_cap, window, k_scale_ptr, v_scale_ptr,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    USE_WINDOW: tl.constexpr, USE_CAP: tl.constexpr, UPCAST: tl.constexpr,
-                   IEEE: tl.constexpr):
+                   IEEE: tl.constexpr, HAS_SCALE: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -56,6 +56,11 @@ def _decode_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, str
         q = q.to(tl.float32)
     qk_scale = scale * 1.4426950408889634  # exp2 domain
 
+    k_scale = 1.0
+    v_scale = 1.0
+    if HAS_SCALE:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -69,6 +74,9 @@ def _decode_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, str
         kvmask = nmask[:, None] & dmask[None, :]
         k = tl.load(k_cache + off[:, None] + d[None, :], mask=kvmask, other=0.0)
         v = tl.load(v_cache + off[:, None] + d[None, :], mask=kvmask, other=0.0)
+        if HAS_SCALE:  # an fp8 cache holds k / k_scale
+            k = k.to(tl.float32) * k_scale
+            v = v.to(tl.float32) * v_scale
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -155,10 +163,11 @@ def decode_config(head: int, group: int) -> tuple[int, int, int]:
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, out: torch.Tensor, scale: float, num_splits: int,
                  sliding_window: int | None = None, soft_cap: float | None = None,
-                 config: tuple[int, int, int] | None = None) -> None:
+                 config: tuple[int, int, int] | None = None, kv_scales: dict | None = None) -> None:
     """q [B, nq, D] (one token per sequence), caches [num_blocks, block_size, nk, D],
     block_tables [B, W] (any strides), seq_lens [B] int32 -> out [B, nq, D]. ``config``
-    (BLOCK_N, num_warps, num_stages) overrides ``decode_config`` (kernel sweeps)."""
+    (BLOCK_N, num_warps, num_stages) overrides ``decode_config`` (kernel sweeps); ``kv_scales``
+    ({"k_scale", "v_scale"} float32 0-dim): an fp8 cache holding k / k_scale."""
     b, nq, head = q.shape
     if b == 0:
         return
@@ -169,9 +178,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     block_n, num_warps, num_stages = config or decode_config(head, group)
     upcast = interpreting()
     ieee = q.dtype == torch.float32
-    common = dict(GROUP=group, BLOCK_H=block_h, HEAD=head, BLOCK_D=block_d, BLOCK_N=block_n, PAGE=page,
-                  NUM_SPLITS=num_splits, USE_WINDOW=bool(sliding_window), USE_CAP=bool(soft_cap),
-                  UPCAST=upcast, IEEE=ieee, num_warps=num_warps, num_stages=num_stages)
+    common = dict(HAS_SCALE=bool(kv_scales), GROUP=group, BLOCK_H=block_h, HEAD=head, BLOCK_D=block_d,
+                  BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits, USE_WINDOW=bool(sliding_window),
+                  USE_CAP=bool(soft_cap), UPCAST=upcast, IEEE=ieee, num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         part_out = torch.empty((b, nq, num_splits, block_d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((b, nq, num_splits), dtype=torch.float32, device=q.device)
@@ -180,7 +189,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     _decode_kernel[(b, nk, num_splits)](
         q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables, block_tables.stride(0), block_tables.stride(1), seq_lens, out, out.stride(0), out.stride(1),
-        part_out, part_lse, float(scale), float(soft_cap or 0.0), int(sliding_window or 0), **common)
+        part_out, part_lse, float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
+        kv_scales["k_scale"] if kv_scales else seq_lens, kv_scales["v_scale"] if kv_scales else seq_lens, **common)
     if num_splits > 1:
         _merge_kernel[(b, nq)](part_out, part_lse, out, out.stride(0), out.stride(1), HEAD=head, BLOCK_D=block_d,
                                NUM_SPLITS=num_splits, BLOCK_S=max(2, next_pow2(num_splits)), num_warps=4)

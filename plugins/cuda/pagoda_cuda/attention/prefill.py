@@ -25,11 +25,11 @@ def _tanh(x):
 @triton.jit
 def _prefill_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, stride_cs, stride_ch,
                     stride_vb, stride_vs, stride_vh, tables_ptr, stride_tb, stride_tn, seq_lens_ptr, qsl_ptr,
-                    tile_map_ptr, out_ptr, stride_ot, stride_oh, scale, soft_cap, window,
+                    tile_map_ptr, out_ptr, stride_ot, stride_oh, scale, soft_cap, window, k_scale_ptr, v_scale_ptr,
                     GROUP: tl.constexpr, HEAD: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_V: tl.constexpr,
                     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, USE_WINDOW: tl.constexpr,
-                    USE_CAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                    USE_CAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, HAS_SCALE: tl.constexpr):
     tile = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // GROUP
@@ -56,6 +56,11 @@ def _prefill_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, st
     if USE_WINDOW:
         lo = tl.maximum(ctx + m0 - window + 1, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
+    k_scale = 1.0
+    v_scale = 1.0
+    if HAS_SCALE:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     dv = tl.arange(0, BLOCK_DV)
@@ -71,6 +76,9 @@ def _prefill_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, st
         v_off = page * stride_vb + in_page * stride_vs + kvh.to(tl.int64) * stride_vh
         k = tl.load(k_cache + k_off[:, None] + d[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0)
         v = tl.load(v_cache + v_off[:, None] + dv[None, :], mask=nmask[:, None] & dvmask[None, :], other=0.0)
+        if HAS_SCALE:  # an fp8 cache holds k / k_scale
+            k = k.to(tl.float32) * k_scale
+            v = v.to(tl.float32) * v_scale
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -130,11 +138,13 @@ def build_tile_map(query_start_loc: list[int], first_seq: int, block_m: int) -> 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, tile_map: torch.Tensor,
                   out: torch.Tensor, scale: float, sliding_window: int | None = None,
-                  soft_cap: float | None = None, config: tuple[int, int, int, int] | None = None) -> None:
+                  soft_cap: float | None = None, config: tuple[int, int, int, int] | None = None,
+                  kv_scales: dict | None = None) -> None:
     """q [T, nq, D], out [T, nq, Dv] over the whole batch (rows addressed through
     query_start_loc); caches [num_blocks, block_size, nk, D] and [..., Dv] (Dv may differ from
     D: MLA's expanded keys and values); tile_map [num_tiles, 2] int32 from ``build_tile_map``
-    with BLOCK_M of ``prefill_config(max(D, Dv))``."""
+    with BLOCK_M of ``prefill_config(max(D, Dv))``; ``kv_scales`` ({"k_scale", "v_scale"}): an
+    fp8 cache holding k / k_scale."""
     num_tiles = tile_map.shape[0]
     if num_tiles == 0:
         return
@@ -148,7 +158,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables, block_tables.stride(0),
         block_tables.stride(1), seq_lens, query_start_loc, tile_map,
         out, out.stride(0), out.stride(1), float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
-        GROUP=nq // nk, HEAD=head, BLOCK_D=max(16, next_pow2(head)), HEAD_V=head_v,
+        kv_scales["k_scale"] if kv_scales else seq_lens, kv_scales["v_scale"] if kv_scales else seq_lens,
+        HAS_SCALE=bool(kv_scales), GROUP=nq // nk, HEAD=head, BLOCK_D=max(16, next_pow2(head)), HEAD_V=head_v,
         BLOCK_DV=max(16, next_pow2(head_v)), BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
         USE_WINDOW=bool(sliding_window), USE_CAP=bool(soft_cap), UPCAST=interpreting(),
         IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
