@@ -149,3 +149,24 @@ def test_real_shapes_long_context_splits(device):
 @GPU
 def test_real_shapes_graph_batch(device):
     check(device, torch.bfloat16, [(700, 1)] * 200, 16, 8, 128, 16, pad_to=256)
+
+
+@GPU
+def test_fp8_cache_with_scales(device):
+    """An fp8 cache holds k / k_scale (per-layer scales): stored and read back as the torch
+    backend does (GPU only: the interpreter's fp8 conversions are not exact)."""
+    from pagoda_cuda.attention.backend import TritonPagedAttention
+
+    q, k, v, cache, meta = make_batch(device, torch.bfloat16, MIXED, 4, 2, 32, 8)
+    cache = cache.to(torch.float8_e4m3fn)
+    layer = FakeLayer(AttentionSpec("mha", 4, 2, 32, 32 ** -0.5),
+                      {"k_scale": torch.tensor(0.05, device=device), "v_scale": torch.tensor(0.02, device=device)})
+    ours_cache, ref_cache = cache.clone(), cache.clone()
+    backend = TritonPagedAttention()
+    meta.backend_data = backend.prepare(meta)
+    with set_forward_context(ForwardContext(attn_metadata=meta, backends={})):
+        ours = backend.forward(layer, q, k, v, ours_cache, meta)
+        meta.backend_data = None
+        want = TorchPagedAttention().forward(layer, q, k, v, ref_cache, meta)
+    assert torch.equal(ours_cache.view(torch.uint8), ref_cache.view(torch.uint8))
+    torch.testing.assert_close(ours.float(), want.float(), atol=3e-2, rtol=3e-2)
