@@ -1,0 +1,70 @@
+"""pagoda bench throughput: the shapes, the roofline against BENCH_ANCHORS, and a CPU run that
+writes the documented JSON (with the decode profile and the HF baseline)."""
+
+import json
+
+import pytest
+from pagoda.bench.roofline import Ceilings, Workload, workload_floor
+from pagoda.bench.shapes import SHAPES, shape_config
+from pagoda.cli.main import main
+from pagoda.testing import make_tiny_checkpoint
+
+ANCHOR_CEILINGS = Ceilings(4.25e12, 786e12, False)
+
+
+def _qwen3_counts():
+    # Qwen3-0.6B: 28 layers of (q 2048 + k 1024 + v 1024 + o 2048) x 1024 + MLP 3 x 1024 x 3072, tied
+    # 151936 x 1024 embedding, norms
+    layer = 1024 * (2048 + 1024 + 1024) + 2048 * 1024 + 3 * 1024 * 3072 + 2 * 1024 + 2 * 128
+    params = 28 * layer + 151936 * 1024 + 1024
+    return {"weight_bytes": 2 * params, "matmul_params_per_token": 28 * layer, "lm_head_params": 151936 * 1024}
+
+
+def test_roofline_reproduces_the_anchor_limit():
+    kv_bytes = 28 * 2 * 8 * 128 * 2  # layers x (K, V) x kv heads x head_dim x bf16
+    floor = workload_floor(Workload(256, 512, 256), _qwen3_counts(), kv_bytes, shape_config("qwen3-0.6b"),
+                           ANCHOR_CEILINGS)
+    assert floor["bound_by"] == "bytes"
+    assert floor["bound_output_tok_s"] == pytest.approx(54475, rel=2e-3)  # BENCH_ANCHORS.md
+
+
+def test_shapes_are_the_anchor_configs():
+    qwen = shape_config("qwen3-0.6b")
+    assert (qwen.hidden_size, qwen.num_hidden_layers, qwen.num_key_value_heads, qwen.head_dim) == (1024, 28, 8, 128)
+    moe = shape_config("qwen3-30b-a3b")
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size, moe.norm_topk_prob) == (128, 8, 768,
+                                                                                                        True)
+    ds = shape_config("deepseek-v3-4l")
+    assert (ds.num_hidden_layers, ds.first_k_dense_replace, ds.n_routed_experts, ds.kv_lora_rank) == (4, 3, 256, 512)
+    assert set(SHAPES) == {"qwen3-0.6b", "phi3-mini", "qwen3-30b-a3b", "deepseek-v3-4l"}
+
+
+def test_cpu_run_writes_the_result_file(tmp_path, capsys):
+    model = make_tiny_checkpoint("qwen3", tmp_path / "m", seed=1, vocab_size=320, hidden_size=64,
+                                 intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+    out = tmp_path / "r.json"
+    code = main(["bench", "throughput", "--model", str(model), "--device", "cpu", "--num-prompts", "3",
+                 "--input-len", "8", "--output-len", "12", "--ignore-eos", "--repeats", "2", "--profile",
+                 "--baseline", "hf", "--bandwidth-gbs", "10", "--matmul-tflops", "0.1", "--json", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "output tok/s" in printed and "roofline" in printed and "HF transformers" in printed
+    res = json.loads(out.read_text())
+    assert res["schema"] == "pagoda.bench.throughput/1"
+    assert len(res["runs"]) == 2 and res["best"]["output_tok_s"] == max(r["output_tok_s"] for r in res["runs"])
+    assert all(r["output_tokens"] == 36 and r["input_tokens"] == 24 for r in res["runs"])
+    assert set(res["best"]["times"]) >= {"prefill", "decode", "schedule", "postprocess", "steps"}
+    assert res["roofline"]["ceilings"] == {"bandwidth": 1e10, "matmul_flops": 1e11, "measured": False}
+    bound = res["roofline"]["bound_output_tok_s"]
+    assert res["fraction_of_bound"] == pytest.approx(res["best"]["output_tok_s"] / bound)
+    assert res["profile"]["batch"] == 3 and res["profile"]["step_seconds"]["wall"] > 0
+    assert res["baseline"]["engine"] == "transformers" and res["baseline"]["output_tokens"] == 36
+    assert res["engine_config"]["max_model_len"] == 20  # input + output unless given
+
+
+def test_unknown_shape_and_model_with_shape_are_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "throughput", "--shape", "llama-7b"])
+    assert main(["bench", "throughput", "--shape", "qwen3-0.6b", "--model", str(tmp_path), "--device", "cpu"]) == 1
+    assert "either --model or --shape" in capsys.readouterr().err
