@@ -1,0 +1,15 @@
+"""Session-wide test settings, loaded before any test module of tests/ or plugins/.
+
+Without a GPU, Triton kernels run in the interpreter. Triton decides at decoration time, so the
+variable must be set before the first kernel module is imported by *any* test (a kernel decorated
+outside the interpreter cannot call one decorated inside it).
+"""
+
+import os
+
+import torch
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
