@@ -66,6 +66,7 @@ class Platform:
         raise NotImplementedError(f"platform {self.name!r} has no graph capture")
 
     def graph_pool(self) -> Any:
+        """A new memory pool for the graphs one engine captures (None: the platform's default)."""
         return None
 
     def describe(self) -> str:

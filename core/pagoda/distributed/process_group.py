@@ -114,9 +114,19 @@ def destroy_parallel_state() -> None:
     parallel_state.reset_parallel_state()
     if dist.is_available() and dist.is_initialized():
         try:
-            dist.destroy_process_group()
-        except Exception:  # a broken group (a peer died) may fail to tear down; it is gone anyway
-            pass
+            backend = str(dist.get_backend())
+        except Exception:
+            backend = ""
+        if "nccl" in backend:
+            # NCCL's orderly teardown can block when the peers have already left (seen on H200s at
+            # the end of a TP=2 benchmark: the process hung after its results were written); the
+            # run is over, so release the communicators without a collective.
+            abort_parallel_state()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a broken group (a peer died) may fail to tear down; it is gone anyway
+                pass
 
 
 def abort_parallel_state() -> None:

@@ -70,7 +70,7 @@ def main() -> int:
 
     from pagoda.config import EngineConfig
     from pagoda.distributed.failures import report_failure
-    from pagoda.distributed.process_group import RankInfo, destroy_parallel_state, init_parallel_state
+    from pagoda.distributed.process_group import RankInfo, init_parallel_state
     from pagoda.distributed.rank_runner import build_rank_runner
     from pagoda.loader.model_loader import load_config
     from pagoda.loader.source import resolve_source
@@ -99,8 +99,11 @@ def main() -> int:
         report_failure(store, rank, exc)
         sys.stderr.flush()
         os._exit(1)  # no teardown: the group is broken and rank 0 is told by the exit
-    destroy_parallel_state()
-    return 0
+    # Rank 0 said STOP: leave without a collective teardown (it may block once rank 0 has gone
+    # ahead); ending the process releases the devices and the communicators.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -32,9 +32,6 @@ class CudaPlatform(Platform):
     default_dtype = "bfloat16"
     supports_graphs = True
 
-    def __init__(self) -> None:
-        self._pool = None
-
     def unavailable_reason(self) -> str | None:
         try:
             import torch
@@ -89,13 +86,13 @@ class CudaPlatform(Platform):
         torch.cuda.empty_cache()
 
     def graph_pool(self) -> Any:
-        """One memory pool shared by every graph this process captures (decode buckets are
-        captured largest first, so smaller ones reuse the largest one's memory)."""
+        """A new memory pool. One engine captures all its decode buckets into one pool (largest
+        first, so smaller ones reuse its memory); a later engine in the same process gets its
+        own, since reusing a pool whose graphs were freed trips the caching allocator's
+        assertion (seen on an H200 when a second engine captured)."""
         import torch
 
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        return self._pool
+        return torch.cuda.graph_pool_handle()
 
     def capture_graph(self, fn: Callable[[], Any], pool: Any = None) -> CudaGraph:
         """Capture ``fn`` (already run once or twice by the caller, so lazy initialisation
