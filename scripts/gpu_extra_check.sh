@@ -57,4 +57,6 @@ fi
 say "done"
 cp "$RES/extra.log" "$OUT/" 2>/dev/null
 [ -f "$RES/tp/summary.json" ] && cp "$RES/tp/summary.json" "$OUT/tp-summary.json"
-tar czf "$OUT/extra.tgz" -C "$RES" .
+# results only (the TP check also leaves checkpoints in $RES/tp)
+(cd "$RES" && find . \( -name "*.json" -o -name "*.txt" -o -name "*.log" \) -size -4M -print0 \
+  | tar czf "$OUT/extra.tgz" --null -T -)
