@@ -16,15 +16,10 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0 TORCH_
 T0=$(date +%s)
 say() { echo "[extra +$(( $(date +%s) - T0 ))s] $*" | tee -a "$RES/extra.log"; }
 
-SITE=${SITE:-/tmp/pagoda-site}
-mkdir -p "$SITE" "$OUT"
-ls .whl/*.whl >/dev/null 2>&1 && $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" \
-  .whl/*.whl >>"$RES/extra.log" 2>&1
-PROJECTS=". $(for d in plugins/*/; do [ -f "$d/pyproject.toml" ] && printf '%s ' "$d"; done)"
-# shellcheck disable=SC2086
-$PY -m pip install -q --no-deps --no-build-isolation --no-index --no-compile --upgrade --target "$SITE" $PROJECTS \
-  >>"$RES/extra.log" 2>&1 || { say "installing pagoda failed"; tail -20 "$RES/extra.log"; }
-export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"
+mkdir -p "$OUT"
+LOG="$RES/extra.log"
+# shellcheck source=scripts/gpu_install.sh
+. scripts/gpu_install.sh
 
 bench() {  # name, timeout, args...
   local name=$1 limit=$2

@@ -45,20 +45,8 @@ T0=$(date +%s)
 say() { echo "[gpu_tp_check +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
 
 # ------------------------------------------------------------------ install
-SITE=${SITE:-/tmp/pagoda-site}
-mkdir -p "$SITE"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  say "installing carried wheels from .whl/"
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
-    >>"$LOG" 2>&1 || say "WARNING: wheel install failed (see log)"
-fi
-PROJECTS=". $(for d in plugins/*/; do [ -f "$d/pyproject.toml" ] && printf '%s ' "$d"; done)"
-say "installing pagoda: $PROJECTS"
-# shellcheck disable=SC2086
-$PY -m pip install -q --no-deps --no-build-isolation --no-index --no-compile --upgrade --target "$SITE" $PROJECTS \
-  >>"$LOG" 2>&1 || { say "ERROR: installing pagoda failed"; tail -20 "$LOG"; exit 1; }
-export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-export PATH="$SITE/bin:$PATH"
+# shellcheck source=scripts/gpu_install.sh
+. scripts/gpu_install.sh
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv 2>&1 | tee -a "$LOG"
 nvidia-smi topo -m >>"$LOG" 2>&1
 

@@ -101,11 +101,19 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     the weighting done in the activation dtype. Ids outside [0, E) contribute nothing: with
     expert parallelism the layer maps experts held by other ranks to -1.
     """
+    return grouped_experts(hidden, topk_weights, topk_ids, w13.shape[0], activation,
+                           lambda e: (w13[e], w2[e]))
+
+
+def grouped_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                    activation: str, expert_weights) -> torch.Tensor:
+    """The body of ``fused_moe`` for any weight storage: ``expert_weights(e)`` returns expert e's
+    (w13 [2I, H], w2 [H, I]) in the activation dtype, and is called only for experts in use
+    (quantized methods dequantize one expert at a time through it)."""
     if activation not in _GATED_ACTS:
         raise ValueError(f"fused_moe: activation {activation!r} is not supported ({', '.join(_GATED_ACTS)})")
     act = _GATED_ACTS[activation]
     t, k = topk_ids.shape
-    num_experts = w13.shape[0]
     flat_ids = topk_ids.reshape(-1).long()
     flat_ids = torch.where((flat_ids >= 0) & (flat_ids < num_experts), flat_ids, num_experts)
     order = torch.argsort(flat_ids, stable=True)  # (token, k) pairs grouped by expert
@@ -118,8 +126,8 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
             continue
         rows = order[start:start + count]
         x = hidden.index_select(0, token_of[start:start + count])
-        y = act(x @ w13[expert].t()) @ w2[expert].t()
-        out.index_copy_(0, rows, y)
+        w13, w2 = expert_weights(expert)
+        out.index_copy_(0, rows, act(x @ w13.t()) @ w2.t())
         start += count
     weights = topk_weights.reshape(-1, 1).to(hidden.dtype)
     return (out * weights).view(t, k, -1).sum(dim=1)

@@ -1,38 +1,13 @@
-"""Small helpers shared by the Triton kernels (imports triton)."""
+"""Small helpers shared by the Triton kernels (imports triton); ``interpreting`` comes from the core."""
 
 from __future__ import annotations
 
-import os
-
 import triton
+from pagoda.kernels.triton_support import interpreting, prepare_interpreter
 
+__all__ = ["interpreting", "next_pow2", "sm_count"]
 
-def interpreting() -> bool:
-    """True under ``TRITON_INTERPRET=1`` (CPU tests): kernels upcast to float32 before any
-    arithmetic there, since the interpreter computes wrongly on bf16 values."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def patch_interpreter_for_numpy2() -> None:
-    """Triton 3.6's interpreter turns scalar tensors into ints with ``int(array)``, which
-    NumPy >= 2.4 refuses for its 1-element arrays: every ``range`` over a runtime bound
-    then fails. Use ``.item()`` instead (interpreter only; compiled kernels are unaffected)."""
-    from triton.runtime import interpreter
-
-    if getattr(interpreter, "_pagoda_index_patch", False):
-        return
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-    interpreter._pagoda_index_patch = True
-
-
-if interpreting():
-    patch_interpreter_for_numpy2()
+prepare_interpreter()
 
 
 def next_pow2(n: int) -> int:

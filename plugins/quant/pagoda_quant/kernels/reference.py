@@ -76,28 +76,10 @@ def fused_moe_quant(hidden: torch.Tensor, w13, w2, topk_weights: torch.Tensor, t
     stacked weight tensors: tokens are grouped by expert and only the experts in use are
     dequantized, one at a time, so no full-precision copy of all experts exists. Ids outside
     [0, E) (experts of other expert-parallel ranks) contribute nothing."""
-    from pagoda.kernels.reference import gelu_tanh_and_mul, silu_and_mul
+    from pagoda.kernels.reference import grouped_experts
 
-    act = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}[activation]
-    t, k = topk_ids.shape
-    num_experts = w13.num_experts
-    flat_ids = topk_ids.reshape(-1).long()
-    flat_ids = torch.where((flat_ids >= 0) & (flat_ids < num_experts), flat_ids, num_experts)
-    order = torch.argsort(flat_ids, stable=True)  # (token, k) pairs grouped by expert
-    counts = torch.bincount(flat_ids, minlength=num_experts + 1).tolist()
-    token_of = order // k
-    out = torch.zeros(t * k, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
-    start = 0
-    for expert, count in enumerate(counts[:num_experts]):
-        if count == 0:
-            continue
-        rows = order[start:start + count]
-        x = hidden.index_select(0, token_of[start:start + count])
-        gate_up = x @ w13.dequantize(expert, hidden.dtype).t()
-        out.index_copy_(0, rows, act(gate_up) @ w2.dequantize(expert, hidden.dtype).t())
-        start += count
-    weights = topk_weights.reshape(-1, 1).to(hidden.dtype)
-    return (out * weights).view(t, k, -1).sum(dim=1)
+    return grouped_experts(hidden, topk_weights, topk_ids, w13.num_experts, activation,
+                           lambda e: (w13.dequantize(e, hidden.dtype), w2.dequantize(e, hidden.dtype)))
 
 
 OPS = ("fp8_linear", "fp8_block_linear", "int4_linear", "fused_moe_quant")
