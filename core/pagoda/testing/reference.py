@@ -22,23 +22,30 @@ def make_tiny_checkpoint(model_type: str, directory: str | Path, seed: int = 0, 
     config = AutoConfig.for_model(model_type, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # HF's init leaves many weights tiny; widen them so outputs vary
-        for name, param in model.named_parameters():
-            if param.dim() >= 2 and "norm" not in name:
-                param.normal_(0.0, 0.08)
-            elif "norm" in name:
-                param.uniform_(0.8, 1.2)
-            elif "bias" in name:
-                param.normal_(0.0, 0.05)
-        if randomize_buffers:
-            saved = set(model.state_dict())
-            for name, buffer in model.named_buffers():
-                if name in saved and buffer.is_floating_point():
-                    buffer.normal_(0.0, 0.1)
+    widen_weights(model, randomize_buffers)
     model.save_pretrained(directory, safe_serialization=True)
     if tokenizer:
         save_byte_tokenizer(directory, config.vocab_size)
     return directory
+
+
+@torch.no_grad()
+def widen_weights(model, randomize_buffers: bool = False) -> None:
+    """HF's init leaves many weights tiny; draw them wider so outputs vary: matrices N(0, 0.08), norms
+    U(0.8, 1.2), biases N(0, 0.05); with ``randomize_buffers`` also the saved floating-point buffers
+    N(0, 0.1) (HF initialises some to zeros, e.g. DeepSeek-V3's ``e_score_correction_bias``)."""
+    for name, param in model.named_parameters():
+        if param.dim() >= 2 and "norm" not in name:
+            param.normal_(0.0, 0.08)
+        elif "norm" in name:
+            param.uniform_(0.8, 1.2)
+        elif "bias" in name:
+            param.normal_(0.0, 0.05)
+    if randomize_buffers:
+        saved = set(model.state_dict())
+        for name, buffer in model.named_buffers():
+            if name in saved and buffer.is_floating_point() and "inv_freq" not in name:
+                buffer.normal_(0.0, 0.1)
 
 
 def save_byte_tokenizer(directory: Path, vocab_size: int) -> None:

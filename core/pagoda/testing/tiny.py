@@ -239,23 +239,13 @@ def plugin_model_type(model_class: Any) -> str | None:
 
 
 def widen_weights(model, seed: int) -> None:
-    """Random weights that make outputs vary (HF's init leaves many tiny): the same recipe as
-    ``make_tiny_checkpoint``."""
+    """Random weights that make outputs vary: ``make_tiny_checkpoint``'s recipe, buffers included."""
     import torch
 
+    from pagoda.testing.reference import widen_weights as widen
+
     torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() >= 2 and "norm" not in name:
-                param.normal_(0.0, 0.08)
-            elif "norm" in name:
-                param.uniform_(0.8, 1.2)
-            elif "bias" in name:
-                param.normal_(0.0, 0.05)
-        saved = set(model.state_dict())
-        for name, buffer in model.named_buffers():  # e.g. DeepSeek-V3's e_score_correction_bias
-            if name in saved and buffer.is_floating_point() and "inv_freq" not in name:
-                buffer.normal_(0.0, 0.1)
+    widen(model, randomize_buffers=True)
 
 
 def write_variant(variant: TinyVariant, directory: str | Path, seed: int = 0) -> Path:
