@@ -7,6 +7,7 @@ around ``model.forward(input_ids, positions)`` and the Attention layer reads it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,9 +61,25 @@ class ForwardContext:
     token_seq_lens: torch.Tensor | None = None
     # MoE layers add per-expert token counts here: layer prefix -> LongTensor [num_experts]
     expert_counts: dict[str, torch.Tensor] = field(default_factory=dict)
-    record_expert_counts: bool = False
     # debug hook: attention-map captures (pagoda attention-map); None in normal runs
     attention_probe: Any = None
+    # attention kind -> the metadata its backend prepared (``backend_data`` is per backend); kinds
+    # missing here read ``attn_metadata``
+    metadata_by_kind: dict[str, AttentionMetadata] = field(default_factory=dict)
+
+    def metadata_for(self, kind: str) -> AttentionMetadata | None:
+        return self.metadata_by_kind.get(kind, self.attn_metadata)
+
+
+def prepared_context(meta: AttentionMetadata, backends: dict[str, Any], **kw: Any) -> ForwardContext:
+    """A ForwardContext where each selected backend has run ``prepare`` on its own view of the
+    step's metadata (a model with both MHA and MLA layers keeps both backends' data)."""
+    by_kind = {}
+    for kind, backend in backends.items():
+        own = meta if len(backends) == 1 else dataclasses.replace(meta)
+        own.backend_data = backend.prepare(own)
+        by_kind[kind] = own
+    return ForwardContext(attn_metadata=meta, backends=backends, metadata_by_kind=by_kind, **kw)
 
 
 _CONTEXT: ForwardContext | None = None

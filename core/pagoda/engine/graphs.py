@@ -19,7 +19,7 @@ import logging
 import numpy as np
 import torch
 
-from pagoda.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+from pagoda.forward_context import AttentionMetadata, ForwardContext, prepared_context, set_forward_context
 from pagoda.scheduler import SchedulerOutput
 
 logger = logging.getLogger("pagoda")
@@ -157,9 +157,7 @@ class DecodeGraphs:
                 query_start_loc=self.query_start_loc[:bucket + 1], seq_lens=seq_lens, block_tables=tables,
                 slot_mapping=slots, query_start_loc_cpu=list(range(bucket + 1)), seq_lens_cpu=[1] * bucket,
                 for_graph=True)
-            for backend in runner.backends.values():
-                meta.backend_data = backend.prepare(meta)
-            ctx = ForwardContext(attn_metadata=meta, backends=runner.backends, token_seq_lens=token_seq_lens)
+            ctx = prepared_context(meta, runner.backends, token_seq_lens=token_seq_lens)
 
             def step(ids=ids, positions=positions, ctx=ctx):
                 with set_forward_context(ctx):

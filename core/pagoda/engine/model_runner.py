@@ -16,7 +16,7 @@ from pagoda import kernels
 from pagoda.config import EngineConfig
 from pagoda.engine.inputs import StepInputs, build_step_inputs
 from pagoda.errors import ConfigError
-from pagoda.forward_context import ForwardContext, set_forward_context
+from pagoda.forward_context import ForwardContext, prepared_context, set_forward_context
 from pagoda.interfaces import AttentionBackend, AttentionSpec, Platform
 from pagoda.layers.attention import Attention
 from pagoda.loader.model_loader import build_model
@@ -116,10 +116,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ execution
     def _context(self, inputs: StepInputs) -> ForwardContext:
-        meta = inputs.meta
-        for backend in self.backends.values():
-            meta.backend_data = backend.prepare(meta)
-        return ForwardContext(attn_metadata=meta, backends=self.backends, token_seq_lens=inputs.token_seq_lens)
+        return prepared_context(inputs.meta, self.backends, token_seq_lens=inputs.token_seq_lens)
 
     def _accumulate_experts(self, ctx: ForwardContext) -> None:
         found = ctx.expert_counts

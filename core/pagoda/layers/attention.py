@@ -75,4 +75,4 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         backend = ctx.backends[self.kind]
-        return backend.forward(self, q, k, v, self.kv_cache, ctx.attn_metadata)
+        return backend.forward(self, q, k, v, self.kv_cache, ctx.metadata_for(self.kind))

@@ -84,5 +84,5 @@ class MLAAttention(Attention):
                 k_pe: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         backend = ctx.backends[self.kind]
-        out = backend.forward_mla(self, q_nope, q_pe, kv_c_normed, k_pe, self.kv_cache, ctx.attn_metadata)
+        out = backend.forward_mla(self, q_nope, q_pe, kv_c_normed, k_pe, self.kv_cache, ctx.metadata_for(self.kind))
         return out.reshape(q_nope.shape[0], self.num_heads * self.v_head_dim)

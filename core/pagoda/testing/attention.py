@@ -35,7 +35,7 @@ def capture_attention(llm, token_ids: list[int]) -> AttentionCapture:
     """Prefill ``token_ids`` once through ``llm``'s paged path and return the attention
     probabilities of every layer (float32, on the CPU). Needs a backend that reports them
     (the reference ``torch``/``torch_mla`` backends do)."""
-    from pagoda.forward_context import ForwardContext, set_forward_context
+    from pagoda.forward_context import prepared_context, set_forward_context
     from pagoda.sampling_params import SamplingParams
     from pagoda.scheduler import ScheduledSeq, SchedulerOutput
     from pagoda.sequence import Sequence
@@ -57,11 +57,8 @@ def capture_attention(llm, token_ids: list[int]) -> AttentionCapture:
 
         out = SchedulerOutput([ScheduledSeq(seq, n, True)], 0, n)
         inputs = build_step_inputs(out, engine.config.block_size, runner.device)
-        meta = inputs.meta
-        for backend in runner.backends.values():
-            meta.backend_data = backend.prepare(meta)
-        ctx = ForwardContext(attn_metadata=meta, backends=runner.backends, token_seq_lens=inputs.token_seq_lens,
-                             attention_probe=probe)
+        ctx = prepared_context(inputs.meta, runner.backends, token_seq_lens=inputs.token_seq_lens,
+                               attention_probe=probe)
         with torch.inference_mode(), set_forward_context(ctx):
             runner.model(inputs.input_ids, inputs.positions)
     finally:
