@@ -137,3 +137,16 @@ def test_text_prompt_and_stop_strings(llm):
         stop = text[2:4]
         cut = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=12, stop=[stop]))[0].outputs[0]
         assert cut.finish_reason == "stop" and cut.stop_reason == stop and cut.text == text[: text.index(stop)]
+
+
+def test_dynamic_rope_scaling_extends_max_model_len(tmp_path):
+    from pagoda import LLM, SamplingParams
+
+    cfg = dict(TINY, max_position_embeddings=32,
+               rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    path = make_tiny_checkpoint("llama", tmp_path / "dyn", **cfg)
+    llm = LLM(model=str(path), device="cpu", num_kv_blocks=16, block_size=8, max_model_len=64)
+    out = llm.generate([list(range(4, 44))], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 20  # positions up to 59, past the trained 32
+    with pytest.raises(ConfigError, match="max_model_len=65 exceeds"):
+        LLM(model=str(path), device="cpu", num_kv_blocks=16, block_size=8, max_model_len=65)

@@ -14,7 +14,7 @@ from pagoda.detokenizer import Detokenizer, find_stop_string
 from pagoda.distributed.executor import create_executor
 from pagoda.engine.lookahead import DecodeLookahead
 from pagoda.errors import ConfigError, RequestError
-from pagoda.layers.rotary import uses_sequence_length
+from pagoda.layers.rotary import rope_parameters_of, uses_sequence_length
 from pagoda.loader.model_loader import load_config
 from pagoda.loader.source import resolve_source
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
@@ -86,6 +86,9 @@ class LLMEngine:
         limit = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         if self.config.max_model_len is None:
             return int(limit)
+        rope = rope_parameters_of(self.hf_config)
+        if rope.get("rope_type") == "dynamic" and rope.get("factor"):
+            limit = int(limit * rope["factor"])  # dynamic NTK scaling extends the trained length
         if self.config.max_model_len > limit:
             raise ConfigError(f"max_model_len={self.config.max_model_len} exceeds the model's "
                               f"max_position_embeddings={limit}")
