@@ -13,7 +13,8 @@ GiB = 1 << 30
 class DefaultKVAllocator(KVAllocator):
     """``num_kv_blocks`` if set; else ``kv_cache_memory_gb``; else what remains of
     ``memory_utilization`` × device memory once the weights are loaded (the runner calls
-    this after loading and after a warm-up forward pass)."""
+    this once the weights are loaded). Activations are not measured: the part of device memory
+    outside ``memory_utilization`` is what they and the graphs live in."""
 
     name = "default"
     priority = 0
