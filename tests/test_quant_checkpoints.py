@@ -28,7 +28,7 @@ DEEPSEEK = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_int
 QWEN3_MOE = dict(TINY, head_dim=32, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                  norm_topk_prob=True)
 ARCHS = {"llama": TINY, "qwen2": TINY, "qwen3": dict(TINY, head_dim=32), "qwen3_moe": QWEN3_MOE,
-         "deepseek_v3": DEEPSEEK}
+         "deepseek_v3": DEEPSEEK, "phi3": dict(TINY, pad_token_id=0)}
 # name: (architecture, format, options); "skip" modules stay in full precision in the checkpoint
 CASES = {
     "fp8-block": ("llama", "fp8-block", dict(block=(32, 32), skip=["model.layers.1.mlp.down_proj"])),
@@ -38,6 +38,11 @@ CASES = {
     "gptq-actorder": ("qwen2", "gptq", dict(group_size=32, desc_act=True, symmetric=True)),
     "gptq-v2-asym": ("llama", "gptq", dict(group_size=16, symmetric=False, v2=True)),
     "awq": ("qwen3", "awq", dict(group_size=32)),
+    # Phi-3 stores qkv_proj and gate_up_proj fused: packed and scale tensors are split per piece on load
+    "phi3-fp8-block": ("phi3", "fp8-block", dict(block=(32, 32))),
+    "phi3-fp8-tensor-static": ("phi3", "fp8", dict(calibrate=True)),
+    "phi3-gptq-actorder": ("phi3", "gptq", dict(group_size=32, desc_act=True, symmetric=True)),
+    "phi3-awq": ("phi3", "awq", dict(group_size=32, skip=["model.layers.1.mlp.gate_up_proj"])),
 }
 # relative L2 error of the prompt logits against transformers on the dequantized weights:
 # float32 rounding for weight-only INT4; FP8 activation quantization (measured 0.05-0.07 on
@@ -92,7 +97,8 @@ def test_checkpoint_is_in_the_format(case):
 
     tensors = safe_open(str(path / "model.safetensors"), "pt")
     keys = set(tensors.keys())
-    layer = "model.layers.0.mlp.gate_proj"
+    fused = name.startswith("phi3")  # Phi-3 stores gate_up_proj fused: N = 2 * intermediate_size
+    layer, n = ("model.layers.0.mlp.gate_up_proj", 256) if fused else ("model.layers.0.mlp.gate_proj", 128)
     if fmt == "fp8-block":
         assert config["quant_method"] == "fp8" and config["weight_block_size"] == list(opts["block"])
         assert tensors.get_tensor(f"{layer}.weight").dtype == torch.float8_e4m3fn
@@ -107,14 +113,14 @@ def test_checkpoint_is_in_the_format(case):
         assert (config["bits"], config["desc_act"]) == (4, opts["desc_act"] if "desc_act" in opts else False)
         assert config["checkpoint_format"] == ("gptq_v2" if opts.get("v2") else "gptq")
         qweight = tensors.get_tensor(f"{layer}.qweight")
-        assert qweight.dtype == torch.int32 and qweight.shape == (64 // 8, 128)  # [K/8, N]
-        assert tensors.get_tensor(f"{layer}.qzeros").shape == (64 // opts["group_size"], 128 // 8)
+        assert qweight.dtype == torch.int32 and qweight.shape == (64 // 8, n)  # [K/8, N]
+        assert tensors.get_tensor(f"{layer}.qzeros").shape == (64 // opts["group_size"], n // 8)
         assert tensors.get_tensor(f"{layer}.scales").dtype == torch.float16
         if opts.get("symmetric"):  # zero point 8 stored as 7 in every nibble
             assert bool((tensors.get_tensor(f"{layer}.qzeros") == 0x77777777).all())
     elif fmt == "awq":
         assert (config["version"], config["zero_point"]) == ("gemm", True)
-        assert tensors.get_tensor(f"{layer}.qweight").shape == (64, 128 // 8)  # [K, N/8]
+        assert tensors.get_tensor(f"{layer}.qweight").shape == (64, n // 8)  # [K, N/8]
 
 
 def test_loaded_layers_compute_with_the_dequantized_weights(case):
@@ -124,7 +130,8 @@ def test_loaded_layers_compute_with_the_dequantized_weights(case):
     for prefix, module in llm.engine.runner.model.named_modules():
         method = getattr(module, "quant_method", None)
         if isinstance(module, LinearBase):
-            want = torch.cat([reference[f"{n}.weight"] for n in checkpoint_names(prefix)])
+            names = [prefix] if f"{prefix}.weight" in reference else checkpoint_names(prefix)  # Phi-3: fused
+            want = torch.cat([reference[f"{n}.weight"] for n in names])
             if any(s in prefix for s in opts.get("skip", [])) or prefix.endswith("mlp.gate"):
                 assert isinstance(method, UnquantizedLinearMethod), prefix
                 continue
