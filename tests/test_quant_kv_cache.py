@@ -1,11 +1,16 @@
 """FP8 KV cache (``kv_cache_dtype: fp8``): per-layer scales, from the checkpoint or 1.0, with
 the torch reference backend."""
 
+import json
+
 import pytest
 import torch
 from pagoda import LLM, SamplingParams
+from pagoda.errors import ConfigError
 from pagoda.kernels.reference import store_kv_cache
+from pagoda.selection import get_quantizer
 from pagoda.testing import make_tiny_checkpoint, random_prompts
+from pagoda_quant.formats.writers import quantize_checkpoint
 from safetensors.torch import load_file, save_file
 
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -80,3 +85,62 @@ def test_a_bad_kv_scale_tensor_is_named(tiny, tmp_path):
     _with_scales(tiny, path, {"model.layers.0.self_attn.k_scale": torch.ones(4)})
     with pytest.raises(ModelLoadError, match="model.layers.0.self_attn.k_scale.*one value"):
         LLM(model=str(path), kv_cache_dtype="fp8", **ENGINE)
+
+
+# how checkpoints declare an FP8 KV cache in quantization_config (the k/v scales are tensors)
+KV_CACHE_DECLARATIONS = {
+    "compressed-tensors": {"kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                                               "symmetric": True}},
+    "autofp8": {"kv_cache_scheme": "static"},
+    "modelopt": {"kv_cache_quant_algo": "FP8"},
+}
+
+
+@pytest.mark.parametrize("declared", list(KV_CACHE_DECLARATIONS))
+def test_quantizers_read_the_declared_kv_cache(declared):
+    def kv_cache_of(method: str, **cfg):
+        return get_quantizer(method).from_checkpoint({"quant_method": method, **cfg}).kv_cache_dtype()
+
+    assert kv_cache_of("fp8", **KV_CACHE_DECLARATIONS[declared]) == "fp8"
+    assert kv_cache_of("gptq", bits=4, **KV_CACHE_DECLARATIONS[declared]) == "fp8"
+    assert kv_cache_of("awq", bits=4, **KV_CACHE_DECLARATIONS[declared]) == "fp8"
+    assert kv_cache_of("fp8", kv_cache_scheme=None) is None
+    # a cache type pagoda has no kernels for leaves the cache in the model dtype
+    assert kv_cache_of("fp8", kv_cache_scheme={"num_bits": 8, "type": "int"}) is None
+
+
+def test_checkpoint_declaring_an_fp8_cache_selects_it_unless_the_user_sets_one(tiny, tmp_path):
+    path = tmp_path / "fp8-kv"
+    quantize_checkpoint(tiny, path, "fp8")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"].update(KV_CACHE_DECLARATIONS["compressed-tensors"])
+    (path / "config.json").write_text(json.dumps(config))
+    state = load_file(str(path / "model.safetensors"))
+    state.update({f"model.layers.{i}.self_attn.{n}_scale": torch.tensor(0.05) for i in (0, 1) for n in "kv"})
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+    auto = LLM(model=str(path), **ENGINE).engine.runner  # kv_cache_dtype: auto
+    assert auto.kv_cache_dtype() == torch.float8_e4m3fn
+    assert all(c.dtype == torch.float8_e4m3fn for c in auto.kv_caches)
+    assert all(float(layer.kv_scales["v_scale"]) == pytest.approx(0.05) for layer in auto.attn_layers)
+    # the user's explicit setting wins: the model dtype by name keeps a full-precision cache
+    full = LLM(model=str(path), kv_cache_dtype="float32", **ENGINE).engine.runner
+    assert full.kv_cache_dtype() == torch.float32 and all(c.dtype == torch.float32 for c in full.kv_caches)
+    with pytest.raises(ConfigError, match="kv_cache_dtype 'bfloat16'.*model dtype float32"):
+        LLM(model=str(path), kv_cache_dtype="bfloat16", **ENGINE)
+
+
+def test_a_declared_cache_pagoda_cannot_store_is_an_error_naming_the_quantizer():
+    from pagoda.engine.model_runner import resolve_kv_cache_dtype
+    from pagoda.interfaces import QuantConfig
+
+    class Declares(QuantConfig):
+        name = "thirdparty"
+
+        def kv_cache_dtype(self):
+            return "int8"
+
+    assert resolve_kv_cache_dtype("fp8", Declares(), torch.bfloat16) == "fp8"  # explicit: not consulted
+    assert resolve_kv_cache_dtype("auto", QuantConfig(), torch.bfloat16) == "auto"  # declares none
+    with pytest.raises(ConfigError, match="quantization 'thirdparty' declares KV cache dtype 'int8'.*kv_cache_dtype"):
+        resolve_kv_cache_dtype("auto", Declares(), torch.bfloat16)

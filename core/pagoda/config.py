@@ -53,8 +53,9 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of identical prompt prefixes")
     quantization: str | dict | None = Field(None, description="quantization method name or policy "
                                             "(see docs/quantization.md); checkpoint metadata wins")
-    kv_cache_dtype: str = Field("auto", description="auto (the model dtype) or a quantized cache type "
-                                "such as fp8")
+    kv_cache_dtype: str = Field("auto", description="auto (the cache the checkpoint's quantization config "
+                                "declares, else the model dtype), a quantized cache type such as fp8, or the "
+                                "model dtype by name")
     tensor_parallel_size: int = Field(1, gt=0, description="devices one model is split over")
     enable_expert_parallel: bool = Field(False, description="split MoE experts over the ranks")
     expert_placement: str | None = Field(None, description="JSON file placing (and replicating) experts on "

@@ -44,7 +44,25 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
         return model_dtype
     if kv_cache_dtype == "fp8":
         return torch.float8_e4m3fn
-    raise ConfigError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported (auto, fp8)")
+    if TORCH_DTYPES.get(kv_cache_dtype) == model_dtype:  # the model dtype by name: a full-precision cache
+        return model_dtype
+    model = next((n for n, d in TORCH_DTYPES.items() if d == model_dtype), str(model_dtype))
+    raise ConfigError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported (auto, fp8, or the model dtype {model})")
+
+
+def resolve_kv_cache_dtype(setting: str, quant_config, model_dtype: torch.dtype) -> str:
+    """The user's ``kv_cache_dtype``, except that ``auto`` takes the cache a quantization
+    config declares (``QuantConfig.kv_cache_dtype()``, e.g. a checkpoint's fp8 KV cache scheme)."""
+    declared = quant_config.kv_cache_dtype() if setting == "auto" and quant_config is not None else None
+    if not declared:
+        return setting
+    try:
+        kv_cache_torch_dtype(declared, model_dtype)
+    except ConfigError as e:
+        raise ConfigError(f"quantization {quant_config.name!r} declares KV cache dtype {declared!r}: {e}; set "
+                          f"kv_cache_dtype explicitly") from None
+    logger.info("kv cache: %s, as the quantization config declares (kv_cache_dtype: auto)", declared)
+    return declared
 
 
 class ModelRunner:
@@ -59,6 +77,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model = build_model(config, source, hf_config, self.dtype, device)
         self.load_seconds = time.perf_counter() - t0
+        self.kv_cache_setting = resolve_kv_cache_dtype(config.kv_cache_dtype, getattr(self.model, "quant_config", None),
+                                                       self.dtype)
         self.attn_layers: list[Attention] = [m for m in self.model.modules() if isinstance(m, Attention)]
         for i, layer in enumerate(self.attn_layers):
             layer.layer_index = i
@@ -80,7 +100,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ KV cache
     def kv_cache_dtype(self) -> torch.dtype:
-        return kv_cache_torch_dtype(self.config.kv_cache_dtype, self.dtype)
+        return kv_cache_torch_dtype(self.kv_cache_setting, self.dtype)
 
     def _layer_shape(self, layer: Attention, num_blocks: int) -> tuple[int, ...]:
         return self.backends[layer.spec.kind].kv_cache_shape(layer.spec, num_blocks, self.config.block_size)

@@ -95,6 +95,7 @@ def build_model(config: EngineConfig, source: ModelSource, hf_config: Any, dtype
     quant_config = resolve_quant_config(hf_config, config)
     with torch.device(device), default_dtype(dtype):
         model = cls(hf_config, quant_config=quant_config, prefix="")
+    model.quant_config = quant_config  # the runner asks it for a declared KV cache dtype
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:

@@ -35,6 +35,7 @@ class Fp8Quantizer(Quantizer):
                    "pre-quantized per-tensor / block-scaled (DeepSeek-V3) checkpoints")
 
     def from_checkpoint(self, cfg: dict) -> QuantConfig:
+        from pagoda_quant.methods.base import declared_kv_cache_dtype
         from pagoda_quant.methods.fp8 import Fp8Config
 
         scheme = str(cfg.get("activation_scheme", "dynamic")).lower()
@@ -51,8 +52,10 @@ class Fp8Quantizer(Quantizer):
                                  "activation_scheme static is not supported (block FP8 quantizes activations "
                                  "dynamically)")
         key = "ignored_layers" if "ignored_layers" in cfg else "modules_to_not_convert"
-        return Fp8Config(checkpoint=True, block=block, static_activations=scheme == "static",
-                         skip_modules=cfg.get(key), skip_key=key)
+        config = Fp8Config(checkpoint=True, block=block, static_activations=scheme == "static",
+                           skip_modules=cfg.get(key), skip_key=key)
+        config.kv_cache = declared_kv_cache_dtype(cfg)
+        return config
 
     def from_user(self, options: dict) -> QuantConfig:
         from pagoda_quant.methods.base import options_of

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -12,6 +13,8 @@ from pagoda.layers import set_weight_attrs
 from torch import nn
 
 from pagoda_quant.layer_match import is_listed, layer_kind
+
+logger = logging.getLogger("pagoda")
 
 
 def add_param(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype, **attrs: Any) -> nn.Parameter:
@@ -60,13 +63,41 @@ class FullPrecisionWeights(QuantizedLinearMethod):
         pass
 
 
+def declared_kv_cache_dtype(cfg: dict) -> str | None:
+    """The KV cache a checkpoint's ``quantization_config`` declares, as a ``kv_cache_dtype``
+    value: "fp8" for ``kv_cache_scheme: {num_bits: 8, type: float, ...}`` (compressed-tensors,
+    ModelOpt), ``kv_cache_scheme: static`` (AutoFP8: fp8 with k/v scale tensors) or
+    ``kv_cache_quant_algo: FP8`` (ModelOpt); None when it declares none. A cache type pagoda
+    cannot store (int8, fp4) is logged and left to the model dtype: the weights still load."""
+    scheme = cfg.get("kv_cache_scheme")
+    algo = cfg.get("kv_cache_quant_algo")
+    if scheme is None and algo is None:
+        return None
+    if isinstance(scheme, dict):
+        fp8 = scheme.get("num_bits") == 8 and str(scheme.get("type", "")).lower() == "float"
+    else:
+        fp8 = str(scheme if scheme is not None else algo).lower() in ("static", "fp8", "fp8_e4m3", "float8_e4m3fn")
+    if fp8:
+        return "fp8"
+    key, value = ("kv_cache_scheme", scheme) if scheme is not None else ("kv_cache_quant_algo", algo)
+    logger.warning("config.json quantization_config.%s=%r: pagoda stores fp8 KV caches only; the cache stays in "
+                   "the model dtype", key, value)
+    return None
+
+
 class PolicyConfig(QuantConfig):
     """A QuantConfig that keeps routers and listed modules in full precision and hands every
-    other linear layer ``linear_method(layer, prefix)``."""
+    other linear layer ``linear_method(layer, prefix)``. ``kv_cache``: the KV cache dtype a
+    checkpoint declares (``declared_kv_cache_dtype``), used when the user's is ``auto``."""
+
+    kv_cache: str | None = None
 
     def __init__(self, skip_modules: list[str] | None = None, skip_key: str = "modules_to_not_convert"):
         self.skip_modules = list(skip_modules or [])
         self.skip_key = skip_key
+
+    def kv_cache_dtype(self) -> str | None:
+        return self.kv_cache
 
     def keeps_full_precision(self, prefix: str) -> bool:
         return layer_kind(prefix) == "router" or is_listed(prefix, self.skip_modules, self.skip_key)

@@ -16,7 +16,7 @@ import torch
 from pagoda.errors import ModelLoadError
 
 from pagoda_quant.formats import int4 as i4
-from pagoda_quant.methods.base import PolicyConfig, add_param, layer_name
+from pagoda_quant.methods.base import PolicyConfig, add_param, declared_kv_cache_dtype, layer_name
 from pagoda_quant.methods.int4 import Int4KernelLayout, check_group_size
 
 
@@ -159,6 +159,7 @@ class GptqConfig(PolicyConfig):
                                  "pagoda quantizes every linear layer of a GPTQ checkpoint's blocks")
         super().__init__(cfg.get("modules_to_not_convert"), "modules_to_not_convert")
         self.group_size = _group(cfg, "group_size")
+        self.kv_cache = declared_kv_cache_dtype(cfg)
         self.desc_act = bool(cfg.get("desc_act", False))
         self.v2 = fmt == "gptq_v2"
 
@@ -186,6 +187,7 @@ class AwqConfig(PolicyConfig):
                                  "with zero points only")
         super().__init__(cfg.get("modules_to_not_convert"), "modules_to_not_convert")
         self.group_size = _group(cfg, "group_size", "q_group_size")
+        self.kv_cache = declared_kv_cache_dtype(cfg)
 
     def linear_method(self, layer, prefix):
         return AwqMethod(self.group_size)
