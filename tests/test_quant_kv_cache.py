@@ -144,3 +144,53 @@ def test_a_declared_cache_pagoda_cannot_store_is_an_error_naming_the_quantizer()
     assert resolve_kv_cache_dtype("auto", QuantConfig(), torch.bfloat16) == "auto"  # declares none
     with pytest.raises(ConfigError, match="quantization 'thirdparty' declares KV cache dtype 'int8'.*kv_cache_dtype"):
         resolve_kv_cache_dtype("auto", Declares(), torch.bfloat16)
+
+
+def test_store_mla_cache_scales_and_saturates():
+    from pagoda.kernels.reference import store_mla_cache
+
+    cache = torch.zeros(3, 4, 12, dtype=torch.float8_e4m3fn)  # [blocks, block_size, L + R] with L=8, R=4
+    torch.manual_seed(0)
+    kv_c, k_pe = torch.randn(3, 8), torch.randn(3, 4) * 100
+    store_mla_cache(kv_c, k_pe, cache, torch.tensor([5, -1, 0]), torch.tensor(0.05))
+    flat = cache.view(-1, 12).float()
+    want = (torch.cat((kv_c[0], k_pe[0])) / 0.05).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    torch.testing.assert_close(flat[5], want)
+    assert float(flat[0, 8:].abs().max()) == 448.0 and not bool(torch.isnan(flat).any())  # saturated
+    assert float(flat[1].abs().sum()) == 0.0  # the padding slot was not written
+
+
+# dense layers only (first_k_dense_replace = all): MoE routing flips would drown the cache's error
+DEEPSEEK = dict(vocab_size=320, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
+                num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=2, q_lora_rank=32,
+                kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=256)
+
+
+def test_deepseek_v3_fp8_latent_cache_applies_the_checkpoint_scale(tmp_path):
+    """The latent is scaled x200 (kv_a_layernorm; kv_b_proj / 200 keeps the model's math), out of
+    the fp8 range unscaled: only with the checkpoint's k_scale applied does the fp8 cache stay close."""
+    src = make_tiny_checkpoint("deepseek_v3", tmp_path / "src", seed=6, **DEEPSEEK)
+    state = load_file(str(src / "model.safetensors"))
+    for i in range(DEEPSEEK["num_hidden_layers"]):
+        attn = f"model.layers.{i}.self_attn"
+        state[f"{attn}.kv_a_layernorm.weight"] = state[f"{attn}.kv_a_layernorm.weight"] * 200
+        state[f"{attn}.kv_b_proj.weight"] = state[f"{attn}.kv_b_proj.weight"] / 200
+        state[f"{attn}.k_scale"] = torch.tensor(2.0)
+    path = tmp_path / "scaled"
+    path.mkdir()
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text((src / "config.json").read_text())
+    full = LLM(model=str(path), **ENGINE)
+    fp8 = LLM(model=str(path), kv_cache_dtype="fp8", **ENGINE)
+    assert all(c.dtype == torch.float8_e4m3fn for c in fp8.engine.runner.kv_caches)
+    assert [float(layer.kv_scales["k_scale"]) for layer in fp8.engine.runner.attn_layers] == [2.0, 2.0]
+    for prompt in random_prompts(2, 320, 20, 40, seed=1):
+        want, got = full.prompt_logits(prompt), fp8.prompt_logits(prompt)
+        assert float((got - want).norm() / want.norm()) < 0.06
+    # decode steps read the cache through the absorbed path
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = random_prompts(2, 320, 10, 20, seed=2)
+    agree = [a.outputs[0].token_ids == b.outputs[0].token_ids
+             for a, b in zip(full.generate(prompts, params), fp8.generate(prompts, params))]
+    assert all(agree)

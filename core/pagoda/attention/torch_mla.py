@@ -3,6 +3,7 @@
 The interface (shapes, what is stored, how decodes and prefills attend) is documented in
 ``pagoda.layers.mla``. Decodes attend over the latent with the absorbed projections;
 prefill chunks expand the cached latents into per-head K and V with ``kv_b_proj``'s weight.
+An fp8 cache holds each entry divided by the layer's ``kv_scales["k_scale"]``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pagoda.attention.torch_paged import attend, gather_cache
 from pagoda.forward_context import AttentionMetadata, get_forward_context
 from pagoda.interfaces import AttentionBackend
 from pagoda.kernels import get_op
+from pagoda.layers.attention import is_quantized_kv_cache
 
 
 class TorchMLAAttention(AttentionBackend):
@@ -30,7 +32,12 @@ class TorchMLAAttention(AttentionBackend):
         spec = layer.spec
         t, n = q_nope.shape[0], q_nope.shape[1]
         lora = spec.kv_lora_rank
-        get_op("store_mla_cache")(kv_c_normed, k_pe, kv_cache, meta.slot_mapping[:t])
+        # an fp8 cache holds entry / k_scale (one scale for the latent and k_pe), read back times it
+        scale = layer.kv_scales["k_scale"] if is_quantized_kv_cache(kv_cache) else None
+        if scale is None:
+            get_op("store_mla_cache")(kv_c_normed, k_pe, kv_cache, meta.slot_mapping[:t])
+        else:
+            get_op("store_mla_cache")(kv_c_normed, k_pe, kv_cache, meta.slot_mapping[:t], scale)
         w_uk, w_uv = layer.absorbed_weights()
         out = q_nope.new_empty(t, n, w_uv.shape[1])
         probe = get_forward_context().attention_probe
@@ -39,7 +46,8 @@ class TorchMLAAttention(AttentionBackend):
             qs, qe, length = starts[i], starts[i + 1], lens[i]
             if qe == qs:
                 continue
-            cached = gather_cache(kv_cache, meta.block_tables[i], length).to(q_nope.dtype)  # [S, L+R]
+            cached = gather_cache(kv_cache, meta.block_tables[i], length)  # [S, L+R]
+            cached = (cached.float() * scale if scale is not None else cached).to(q_nope.dtype)
             latent, rope = cached[:, :lora], cached[:, lora:]
             if i < meta.num_decodes:
                 o, probs = self._absorbed(q_nope[qs:qe], q_pe[qs:qe], latent, rope, w_uk, w_uv, spec.scale,

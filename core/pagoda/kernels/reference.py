@@ -137,17 +137,25 @@ _GATED_ACTS = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
 
 
 def store_mla_cache(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> None:
+                    slot_mapping: torch.Tensor, scale: torch.Tensor | None = None) -> None:
     """MLA: write the latent kv_c [T, L] and the rotated key part k_pe [T, R] into
     kv_cache [num_blocks, block_size, L + R] (latent first) at the flat slots
-    ``slot_mapping`` [T]; slots < 0 are skipped (padding)."""
+    ``slot_mapping`` [T]; slots < 0 are skipped (padding). A quantized (fp8) cache gets the
+    layer's float32 0-dim ``scale`` (its ``kv_scales["k_scale"]``): it stores
+    ``clamp(entry / scale)`` to the fp8 range, rounded to nearest."""
     flat = kv_cache.view(-1, kv_cache.shape[-1])
     slots = slot_mapping.long()
     entry = torch.cat((kv_c, k_pe), dim=-1)
+    if scale is not None:
+        limit = torch.finfo(kv_cache.dtype).max
+        entry = (entry.float() / scale).clamp(-limit, limit)
     if slots.numel() and bool((slots < 0).any()):
         keep = slots >= 0
         slots, entry = slots[keep], entry[keep]
-    flat.index_copy_(0, slots, entry.to(kv_cache.dtype))
+    entry = entry.to(kv_cache.dtype)
+    if kv_cache.dtype.itemsize == 1 and kv_cache.dtype.is_floating_point:  # no fp8 index_copy_ on cpu
+        flat, entry = flat.view(torch.uint8), entry.view(torch.uint8)
+    flat.index_copy_(0, slots, entry)
 
 
 OPS = {

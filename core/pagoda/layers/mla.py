@@ -24,7 +24,10 @@ Backend contract (``AttentionBackend`` of kind ``"mla"``)::
 
 It stores (kv_c_normed, k_pe) at ``meta.slot_mapping`` (op ``store_mla_cache``), then for
 each sequence of the batch attends its new tokens causally over its cached tokens through
-``meta.block_tables`` with softmax scale ``layer.spec.scale``:
+``meta.block_tables`` with softmax scale ``layer.spec.scale``. An fp8 cache
+(``is_quantized_kv_cache``) holds ``clamp(entry / k_scale)`` with the layer's
+``kv_scales["k_scale"]`` (one scale for latent and k_pe; ``store_mla_cache``'s fifth
+argument) and is read back as ``cached * k_scale``:
 
     score(t, s) = q_nope[t] . k_nope[s] + q_pe[t] . k_pe[s],   out[t] = sum_s p(t, s) v[s]
 

@@ -10,22 +10,28 @@ GPU = pytest.mark.gpu
 
 
 class FakeMLALayer:
-    def __init__(self, heads, nope, rope, v, lora, device, dtype, gen):
+    def __init__(self, heads, nope, rope, v, lora, device, dtype, gen, kv_scale=None):
         self.spec = AttentionSpec("mla", heads, 1, lora + rope, (nope + rope) ** -0.5, kv_lora_rank=lora,
                                   qk_rope_head_dim=rope, extra={"qk_nope_head_dim": nope, "v_head_dim": v})
         w = torch.randn(heads, nope + v, lora, generator=gen) / lora ** 0.5
         w = w.to(device, dtype)
         self.weights = (w[:, :nope], w[:, nope:])
+        self.kv_scales = None if kv_scale is None else {"k_scale": torch.tensor(kv_scale, device=device),
+                                                        "v_scale": torch.tensor(1.0, device=device)}
 
     def absorbed_weights(self):
         return self.weights
 
 
-def run_case(device, dtype, seqs, heads=4, nope=16, rope=16, v=16, lora=32, block_size=8, splits=None, seed=0):
+def run_case(device, dtype, seqs, heads=4, nope=16, rope=16, v=16, lora=32, block_size=8, splits=None, seed=0,
+             kv_scale=None):
+    """``kv_scale``: an fp8 cache holding entry / kv_scale; the new tokens' values are then fp8
+    values times the (power of two) scale, so that storing them is exact even where the
+    interpreter's fp32 -> fp8 casts round wrongly."""
     from pagoda_cuda.attention.mla_backend import MLAStepData, TritonMLAAttention
 
     gen = torch.Generator().manual_seed(seed)
-    layer = FakeMLALayer(heads, nope, rope, v, lora, device, dtype, gen)
+    layer = FakeMLALayer(heads, nope, rope, v, lora, device, dtype, gen, kv_scale)
     nblocks = [-(-(c + n) // block_size) for c, n in seqs]
     perm = torch.randperm(sum(nblocks) + 2, generator=gen).tolist()
     cache = torch.randn(sum(nblocks) + 2, block_size, lora + rope, generator=gen).to(device, dtype)
@@ -43,6 +49,9 @@ def run_case(device, dtype, seqs, heads=4, nope=16, rope=16, v=16, lora=32, bloc
     q_pe = torch.randn(t, heads, rope, generator=gen).to(device, dtype)
     kv_c = torch.randn(t, lora, generator=gen).to(device, dtype)
     k_pe = torch.randn(t, rope, generator=gen).to(device, dtype)
+    if kv_scale is not None:
+        cache = cache.to(torch.float8_e4m3fn)
+        kv_c, k_pe = ((x.to(torch.float8_e4m3fn).float() * kv_scale).to(dtype) for x in (kv_c, k_pe))
     meta = AttentionMetadata(
         num_tokens=t, num_seqs=len(seqs), num_decodes=next((i for i, (_, n) in enumerate(seqs) if n != 1), len(seqs)),
         max_query_len=max(n for _, n in seqs), max_seq_len=max(lens), block_size=block_size,
@@ -60,7 +69,8 @@ def run_case(device, dtype, seqs, heads=4, nope=16, rope=16, v=16, lora=32, bloc
         ours = backend.forward_mla(layer, q_nope, q_pe, kv_c, k_pe, ours_cache, meta)
         meta.backend_data = None
         want = TorchMLAAttention().forward_mla(layer, q_nope, q_pe, kv_c, k_pe, ref_cache, meta)
-    assert torch.equal(ours_cache, ref_cache)
+    assert torch.equal(ours_cache.view(torch.uint8), ref_cache.view(torch.uint8)) if kv_scale is not None \
+        else torch.equal(ours_cache, ref_cache)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(ours.float(), want.float(), atol=tol, rtol=tol)
 
@@ -72,6 +82,11 @@ def test_mla_mixed_batch(device, dtype):
 
 def test_mla_decode_splits(device):
     run_case(device, torch.float32, [(70, 1), (3, 1)], heads=20, splits=4, seed=1)  # 2 head blocks
+
+
+def test_mla_fp8_cache_with_scale(device):
+    """Stored as entry / k_scale, read back times it by the decode kernel and the prefill expansion."""
+    run_case(device, torch.float32, [(5, 1), (30, 1), (0, 11), (9, 14)], kv_scale=0.25)
 
 
 @GPU

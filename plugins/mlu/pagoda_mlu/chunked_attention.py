@@ -150,14 +150,20 @@ class MluChunkedAttention(AttentionBackend):
         self._no_probe()
         spec: AttentionSpec = layer.spec
         t, lora = q_nope.shape[0], spec.kv_lora_rank
-        get_op("store_mla_cache")(kv_c_normed, k_pe, kv_cache, meta.slot_mapping[:t])
+        # an fp8 cache holds entry / k_scale (one scale for latent and k_pe, pagoda.layers.mla)
+        scale = layer.kv_scales["k_scale"] if is_quantized_kv_cache(kv_cache) else None
+        if scale is None:
+            get_op("store_mla_cache")(kv_c_normed, k_pe, kv_cache, meta.slot_mapping[:t])
+        else:
+            get_op("store_mla_cache")(kv_c_normed, k_pe, kv_cache, meta.slot_mapping[:t], scale)
+        scales = None if scale is None else {"k_scale": scale, "v_scale": scale}
         w_uk, w_uv = layer.absorbed_weights()  # [N, P, L], [N, V, L]
         q = torch.cat((torch.einsum("qhp,hpl->qhl", q_nope, w_uk), q_pe), dim=-1)  # [T, N, L+R]
         keys = kv_cache.unsqueeze(1)  # [num_blocks, 1, block_size, L+R]: head-major, one head
         values = keys[..., :lora]
         out = q.new_empty(t, q.shape[1], lora)
-        self.decode_rows(q, out, keys, values, meta, spec)
-        self.prefill_rows(q, out, keys, values, meta, spec, range(meta.num_decodes, meta.num_seqs))
+        self.decode_rows(q, out, keys, values, meta, spec, scales)
+        self.prefill_rows(q, out, keys, values, meta, spec, range(meta.num_decodes, meta.num_seqs), scales)
         return torch.einsum("qhl,hvl->qhv", out, w_uv)
 
     def attend(self, q, k, v, out, kv_cache, meta: AttentionMetadata, spec: AttentionSpec,

@@ -153,8 +153,9 @@ def test_moe_and_mla_greedy_matches_transformers(model_type, tmp_path):
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
-@pytest.mark.parametrize("tile_size", [1, 6, 64])
-def test_mla_matches_torch_mla_reference(tile_size):
+@pytest.mark.parametrize("tile_size,kv_scale", [(1, None), (6, None), (64, None), (6, 0.05)])
+def test_mla_matches_torch_mla_reference(tile_size, kv_scale):
+    """``kv_scale``: an fp8 cache holding entry / k_scale."""
     from pagoda.attention.torch_mla import TorchMLAAttention
 
     kernels.activate("cpu")
@@ -163,17 +164,20 @@ def test_mla_matches_torch_mla_reference(tile_size):
                          qk_rope_head_dim=r, extra={"qk_nope_head_dim": p, "v_head_dim": vdim})
     gen = torch.Generator().manual_seed(tile_size)
     w_uk, w_uv = torch.randn(n, p, lora, generator=gen), torch.randn(n, vdim, lora, generator=gen)
-    layer = SimpleNamespace(spec=spec, absorbed_weights=lambda: (w_uk, w_uv))
+    scales = None if kv_scale is None else {"k_scale": torch.tensor(kv_scale), "v_scale": torch.tensor(1.0)}
+    layer = SimpleNamespace(spec=spec, absorbed_weights=lambda: (w_uk, w_uv), kv_scales=scales)
     batch = mixed_batch([9, 2], [(13, 6), (0, 11)], BLOCK, NUM_BLOCKS, seed=tile_size)
     meta, t = batch.meta, batch.meta.num_tokens
     ctx_slots = context_slots(batch)
     cache_shape = MluChunkedAttention().kv_cache_shape(spec, NUM_BLOCKS, BLOCK)
     assert cache_shape == TorchMLAAttention().kv_cache_shape(spec, NUM_BLOCKS, BLOCK)  # the core's latent layout
-    ref_cache, our_cache = torch.full(cache_shape, float("nan")), torch.full(cache_shape, float("nan"))
+    cache_dtype = torch.float32 if kv_scale is None else torch.float8_e4m3fn
+    ref_cache, our_cache = (torch.full(cache_shape, float("nan")).to(cache_dtype) for _ in range(2))
     for cache in (ref_cache, our_cache):
         gen_ctx = torch.Generator().manual_seed(99)
         get_op("store_mla_cache")(torch.randn(len(ctx_slots), lora, generator=gen_ctx),
-                                  torch.randn(len(ctx_slots), r, generator=gen_ctx), cache, ctx_slots)
+                                  torch.randn(len(ctx_slots), r, generator=gen_ctx), cache, ctx_slots,
+                                  *([] if scales is None else [scales["k_scale"]]))
     args = (torch.randn(t, n, p, generator=gen), torch.randn(t, n, r, generator=gen),
             torch.randn(t, lora, generator=gen), torch.randn(t, r, generator=gen))
     ours = MluChunkedAttention().configure({"tile_size": tile_size})

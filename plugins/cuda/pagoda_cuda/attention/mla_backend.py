@@ -4,6 +4,7 @@ Decodes attend over the latent with the absorbed projections (``mla_decode``), b
 two batched matmuls (q_nope @ w_uk before, latent @ w_uv^T after); graph-capturable. Prefill
 chunks expand each prefill sequence's cached latents into per-head keys [S, N, P + R] and
 values [S, N, V] and run the paged prefill kernel over them as a cache of one-token pages.
+An fp8 cache holds entry / ``layer.kv_scales["k_scale"]``: stored, decoded and expanded with it.
 """
 
 from __future__ import annotations
@@ -80,13 +81,15 @@ class TritonMLAAttention(AttentionBackend):
 
     def forward_mla(self, layer, q_nope, q_pe, kv_c_normed, k_pe, kv_cache, meta):
         import torch
+        from pagoda.layers.attention import is_quantized_kv_cache
 
         from pagoda_cuda.attention.mla_decode import mla_decode, mla_splits, store_mla_cache
 
         spec = layer.spec
         t, heads = q_nope.shape[0], q_nope.shape[1]
         lora = spec.kv_lora_rank
-        store_mla_cache(kv_c_normed, k_pe, kv_cache, meta.slot_mapping[:t])
+        kv_scale = layer.kv_scales["k_scale"] if is_quantized_kv_cache(kv_cache) else None
+        store_mla_cache(kv_c_normed, k_pe, kv_cache, meta.slot_mapping[:t], kv_scale)
         w_uk, w_uv = layer.absorbed_weights()  # [N, P, L], [N, V, L]
         out = q_nope.new_empty(t, heads, w_uv.shape[1])
         data = meta.backend_data if isinstance(meta.backend_data, MLAStepData) else MLAStepData()
@@ -98,15 +101,16 @@ class TritonMLAAttention(AttentionBackend):
             q_lat = torch.bmm(q_nope[:nd].transpose(0, 1), w_uk).transpose(0, 1)  # [nd, N, L]
             o_lat = torch.empty((nd, heads, lora), dtype=q_nope.dtype, device=q_nope.device)
             q_pe_d = q_pe[:nd] if q_pe.stride(-1) == 1 else q_pe[:nd].contiguous()
-            mla_decode(q_lat, q_pe_d, kv_cache, meta.block_tables, meta.seq_lens, o_lat, spec.scale, splits)
+            mla_decode(q_lat, q_pe_d, kv_cache, meta.block_tables, meta.seq_lens, o_lat, spec.scale, splits,
+                       kv_scale)
             out[:nd] = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
         if meta.num_seqs > nd:
             if meta.for_graph:
                 raise RuntimeError("the triton_mla backend captures decode-only batches; this one has prefills")
-            self._prefill(layer, q_nope[nd:], q_pe[nd:], kv_cache, meta, data, out[nd:], w_uk, w_uv)
+            self._prefill(layer, q_nope[nd:], q_pe[nd:], kv_cache, meta, data, out[nd:], w_uk, w_uv, kv_scale)
         return out
 
-    def _prefill(self, layer, q_nope, q_pe, kv_cache, meta, data, out, w_uk, w_uv) -> None:
+    def _prefill(self, layer, q_nope, q_pe, kv_cache, meta, data, out, w_uk, w_uv, kv_scale=None) -> None:
         import torch
 
         from pagoda_cuda.attention.prefill import paged_prefill
@@ -119,7 +123,7 @@ class TritonMLAAttention(AttentionBackend):
         block = meta.block_size
         pages = meta.block_tables[idx["seq_of"], idx["pos"] // block].long()
         entries = kv_cache.view(-1, kv_cache.shape[-1]).index_select(0, pages * block + idx["pos"] % block)
-        entries = entries.to(q_nope.dtype)
+        entries = (entries.float() * kv_scale if kv_scale is not None else entries).to(q_nope.dtype)
         latent, rope = entries[:, :lora], entries[:, lora:]
         total = idx["total"]
         keys = torch.empty((total, 1, heads, nope + rope.shape[-1]), dtype=q_nope.dtype, device=q_nope.device)

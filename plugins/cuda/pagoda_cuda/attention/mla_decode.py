@@ -1,6 +1,8 @@
 """MLA (DeepSeek-V2/V3) kernels over the paged latent cache [num_blocks, block_size, L + R].
 
 ``store_mla_cache`` writes each new token's latent and rotary key part at its slot.
+An fp8 cache holds ``clamp(entry / scale)`` with the layer's ``kv_scales["k_scale"]`` (one
+scale for latent and k_pe, as ``pagoda.layers.mla`` says); both kernels take it.
 ``mla_decode`` attends one query token per sequence over the latent with the absorbed
 query (``q_lat = q_nope @ w_uk``, [B, N, L]): score = q_lat . c + q_pe . k_pe and the
 output is the probability-weighted latent (the caller applies ``w_uv``). One program per
@@ -18,8 +20,9 @@ from pagoda_cuda.attention.decode import _merge_kernel, choose_splits
 
 
 @triton.jit
-def _store_mla_kernel(c_ptr, stride_c, pe_ptr, stride_pe, cache_ptr, slot_ptr,
-                      LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr):
+def _store_mla_kernel(c_ptr, stride_c, pe_ptr, stride_pe, cache_ptr, slot_ptr, scale_ptr, limit,
+                      LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+                      HAS_SCALE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     l_off = tl.arange(0, BLOCK_L)
@@ -29,14 +32,21 @@ def _store_mla_kernel(c_ptr, stride_c, pe_ptr, stride_pe, cache_ptr, slot_ptr,
     row = cache_ptr + slot * (LORA + ROPE)
     c = tl.load(c_ptr + t * stride_c + l_off, mask=lmask, other=0.0)
     pe = tl.load(pe_ptr + t * stride_pe + r_off, mask=rmask, other=0.0)
-    tl.store(row + l_off, c.to(tl.float32).to(cache_ptr.dtype.element_ty), mask=lmask)
-    tl.store(row + LORA + r_off, pe.to(tl.float32).to(cache_ptr.dtype.element_ty), mask=rmask)
+    c = c.to(tl.float32)
+    pe = pe.to(tl.float32)
+    if HAS_SCALE:  # an fp8 cache holds clamp(entry / scale), rounded to nearest
+        scale = tl.load(scale_ptr)
+        c = tl.minimum(tl.maximum(c / scale, -limit), limit)
+        pe = tl.minimum(tl.maximum(pe / scale, -limit), limit)
+    tl.store(row + l_off, c.to(cache_ptr.dtype.element_ty), mask=lmask)
+    tl.store(row + LORA + r_off, pe.to(cache_ptr.dtype.element_ty), mask=rmask)
 
 
 def store_mla_cache(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> None:
+                    slot_mapping: torch.Tensor, scale: torch.Tensor | None = None) -> None:
     """kv_c [T, L], k_pe [T, R] into kv_cache [num_blocks, block_size, L + R] at the flat
-    slots ``slot_mapping`` [T]; slots < 0 are skipped (padding)."""
+    slots ``slot_mapping`` [T]; slots < 0 are skipped (padding). With an fp8 cache and a
+    float32 0-dim ``scale``, stores clamp(entry / scale)."""
     t = kv_c.shape[0]
     if t == 0:
         return
@@ -45,17 +55,21 @@ def store_mla_cache(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tens
     k_pe = k_pe if k_pe.stride(-1) == 1 else k_pe.contiguous()
     if not kv_cache.is_contiguous():
         raise ValueError("store_mla_cache needs a contiguous kv_cache [num_blocks, block_size, L + R]")
-    _store_mla_kernel[(t,)](kv_c, kv_c.stride(0), k_pe, k_pe.stride(0), kv_cache, slot_mapping, LORA=lora,
-                            ROPE=rope, BLOCK_L=next_pow2(lora), BLOCK_R=next_pow2(rope), num_warps=4)
+    limit = float(torch.finfo(kv_cache.dtype).max) if scale is not None else 0.0
+    _store_mla_kernel[(t,)](kv_c, kv_c.stride(0), k_pe, k_pe.stride(0), kv_cache, slot_mapping,
+                            scale if scale is not None else slot_mapping, limit, LORA=lora, ROPE=rope,
+                            BLOCK_L=next_pow2(lora), BLOCK_R=next_pow2(rope), HAS_SCALE=scale is not None,
+                            num_warps=4)
 
 
 @triton.jit
 def _mla_decode_kernel(ql_ptr, stride_qlb, stride_qlh, qp_ptr, stride_qpb, stride_qph, cache_ptr, stride_cb,
                        stride_cs, tables_ptr, stride_tb, stride_tn, seq_lens_ptr, out_ptr, stride_ob, stride_oh,
-                       part_out_ptr, part_lse_ptr, scale, num_heads,
+                       part_out_ptr, part_lse_ptr, scale, kv_scale_ptr, num_heads,
                        LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-                       NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                       NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                       HAS_SCALE: tl.constexpr):
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -78,6 +92,9 @@ def _mla_decode_kernel(ql_ptr, stride_qlb, stride_qlh, qp_ptr, stride_qpb, strid
         q_lat = q_lat.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
     qk_scale = scale * 1.4426950408889634
+    kv_scale = 1.0
+    if HAS_SCALE:
+        kv_scale = tl.load(kv_scale_ptr)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_L], dtype=tl.float32)
@@ -90,6 +107,9 @@ def _mla_decode_kernel(ql_ptr, stride_qlb, stride_qlh, qp_ptr, stride_qpb, strid
         lat = tl.load(cache_ptr + row[:, None] + lo[None, :], mask=nmask[:, None] & lmask[None, :], other=0.0)
         pe = tl.load(cache_ptr + row[:, None] + LORA + ro[None, :], mask=nmask[:, None] & rmask[None, :],
                      other=0.0)
+        if HAS_SCALE:  # an fp8 cache holds entry / scale
+            lat = lat.to(tl.float32) * kv_scale
+            pe = pe.to(tl.float32) * kv_scale
         if UPCAST:
             lat = lat.to(tl.float32)
             pe = pe.to(tl.float32)
@@ -130,9 +150,11 @@ def _mla_decode_kernel(ql_ptr, stride_qlb, stride_qlh, qp_ptr, stride_qpb, strid
 
 
 def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-               seq_lens: torch.Tensor, out: torch.Tensor, scale: float, num_splits: int) -> None:
+               seq_lens: torch.Tensor, out: torch.Tensor, scale: float, num_splits: int,
+               kv_scale: torch.Tensor | None = None) -> None:
     """q_lat [B, N, L], q_pe [B, N, R] (last dims contiguous), kv_cache [num_blocks, block_size,
-    L + R], block_tables [B, W], seq_lens [B] -> out [B, N, L] (probability-weighted latents)."""
+    L + R], block_tables [B, W], seq_lens [B] -> out [B, N, L] (probability-weighted latents).
+    ``kv_scale`` (float32 0-dim): an fp8 cache holding entry / kv_scale."""
     b, heads, lora = q_lat.shape
     if b == 0:
         return
@@ -150,9 +172,11 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     _mla_decode_kernel[grid](
         q_lat, q_lat.stride(0), q_lat.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1), kv_cache, kv_cache.stride(0),
         kv_cache.stride(1), block_tables, block_tables.stride(0), block_tables.stride(1), seq_lens, out,
-        out.stride(0), out.stride(1), part_out, part_lse, float(scale), heads, LORA=lora, ROPE=rope,
+        out.stride(0), out.stride(1), part_out, part_lse, float(scale),
+        kv_scale if kv_scale is not None else seq_lens, heads, LORA=lora, ROPE=rope,
         BLOCK_H=block_h, BLOCK_L=block_l, BLOCK_R=block_r, BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits,
-        UPCAST=interpreting(), IEEE=q_lat.dtype == torch.float32, num_warps=8 if block_l >= 512 else 4,
+        UPCAST=interpreting(), IEEE=q_lat.dtype == torch.float32, HAS_SCALE=kv_scale is not None,
+        num_warps=8 if block_l >= 512 else 4,
         num_stages=2)
     if num_splits > 1:
         _merge_kernel[(b, heads)](part_out, part_lse, out, out.stride(0), out.stride(1), HEAD=lora, BLOCK_D=block_l,
