@@ -224,6 +224,8 @@ def run(args) -> int:
                 result["baseline"] = {"engine": "transformers", "error": f"{type(exc).__name__}: {exc}"[:500]}
             print(format_baseline(result))
             _write(result, args.json_path)
+        else:
+            llm.shutdown()  # explicit, in order: a tensor-parallel run's workers go before the process ends
     return 0
 
 

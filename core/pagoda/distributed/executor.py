@@ -274,7 +274,15 @@ class TensorParallelExecutor:
         return self.run.workers.pid(rank)
 
     def shutdown(self) -> None:
-        """Stop the other ranks and leave the process group (also done when the engine is dropped)."""
+        """Stop the other ranks and leave the process group (also done when the engine is dropped).
+
+        Captured graphs hold the collectives of this group: they are released, and the device
+        drained, before the communicators go (not left to the interpreter's exit)."""
+        self.driver.graphs = None
+        try:
+            self.driver.platform.synchronize()
+        except Exception:  # a broken device or group: tear down anyway
+            pass
         self._finalizer()
 
     def __getattr__(self, name: str) -> Any:
