@@ -90,8 +90,8 @@ class LLMEngine:
         if rope.get("rope_type") == "dynamic" and rope.get("factor"):
             limit = int(limit * rope["factor"])  # dynamic NTK scaling extends the trained length
         if self.config.max_model_len > limit:
-            raise ConfigError(f"max_model_len={self.config.max_model_len} exceeds the model's "
-                              f"max_position_embeddings={limit}")
+            raise ConfigError(f"max_model_len={self.config.max_model_len} exceeds the model's longest supported "
+                              f"length {limit} (max_position_embeddings, times the dynamic rope factor if any)")
         return self.config.max_model_len
 
     def _eos_ids(self) -> set[int]:
