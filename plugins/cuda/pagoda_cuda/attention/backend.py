@@ -9,12 +9,12 @@ the (static) batch size.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda.interfaces import AttentionBackend, AttentionSpec
+
+from pagoda_cuda.attention.availability import triton_unavailable_reason
 
 
 @dataclass
@@ -39,10 +39,9 @@ class TritonPagedAttention(AttentionBackend):
         why = super().supports(platform, dtype, spec)
         if why is not None:
             return why
-        if platform == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-            return "runs on cpu only under the Triton interpreter (TRITON_INTERPRET=1)"
-        if importlib.util.find_spec("triton") is None:
-            return "needs the triton package (pip install triton)"
+        why = triton_unavailable_reason(platform)
+        if why is not None:
+            return why
         if not self.min_head_size <= spec.head_size <= self.max_head_size:
             return f"supports head sizes {self.min_head_size}-{self.max_head_size}, not {spec.head_size}"
         if spec.num_heads % spec.num_kv_heads:

@@ -9,11 +9,11 @@ An fp8 cache holds entry / ``layer.kv_scales["k_scale"]``: stored, decoded and e
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from dataclasses import dataclass, field
 
 from pagoda.interfaces import AttentionBackend, AttentionSpec
+
+from pagoda_cuda.attention.availability import triton_unavailable_reason
 
 
 @dataclass
@@ -35,10 +35,9 @@ class TritonMLAAttention(AttentionBackend):
         why = super().supports(platform, dtype, spec)
         if why is not None:
             return why
-        if platform == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-            return "runs on cpu only under the Triton interpreter (TRITON_INTERPRET=1)"
-        if importlib.util.find_spec("triton") is None:
-            return "needs the triton package (pip install triton)"
+        why = triton_unavailable_reason(platform)
+        if why is not None:
+            return why
         if spec.kv_lora_rank > 1024 or spec.qk_rope_head_dim > 256:
             return (f"supports kv_lora_rank <= 1024 and qk_rope_head_dim <= 256, not "
                     f"{spec.kv_lora_rank} and {spec.qk_rope_head_dim}")
