@@ -61,6 +61,8 @@ class ForwardContext:
     token_seq_lens: torch.Tensor | None = None
     # MoE layers add per-expert token counts here: layer prefix -> LongTensor [num_experts]
     expert_counts: dict[str, torch.Tensor] = field(default_factory=dict)
+    # (tokens, top_k) -> per-pair count weights, shared by the step's MoE layers (layers.moe)
+    moe_pair_weights: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     # debug hook: attention-map captures (pagoda attention-map); None in normal runs
     attention_probe: Any = None
     # attention kind -> the metadata its backend prepared (``backend_data`` is per backend); kinds

@@ -162,6 +162,7 @@ class DecodeGraphs:
             def step(ids=ids, positions=positions, ctx=ctx):
                 with set_forward_context(ctx):
                     ctx.expert_counts.clear()
+                    ctx.moe_pair_weights.clear()  # made inside the capture, from the graph's own slots
                     hidden = runner.model(ids, positions)
                     return runner.model.compute_logits(hidden)
 

@@ -91,6 +91,20 @@ def store_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     v_flat.index_copy_(0, slots, v)
 
 
+def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                 scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """MoE routing: router_logits [T, E] -> (weights [T, K] float32, ids [T, K] int64), the
+    ``top_k`` largest of the float32 softmax over experts in descending order, optionally
+    renormalised to sum to 1, times ``scaling_factor`` (HF Qwen2MoeTopKRouter)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if scaling_factor != 1.0:
+        weights = weights * scaling_factor
+    return weights, ids
+
+
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """Mixture-of-experts MLP, tokens grouped by expert.
@@ -165,6 +179,7 @@ OPS = {
     "silu_and_mul": silu_and_mul,
     "gelu_tanh_and_mul": gelu_tanh_and_mul,
     "store_kv_cache": store_kv_cache,
+    "topk_softmax": topk_softmax,
     "fused_moe": fused_moe,
     "store_mla_cache": store_mla_cache,
 }

@@ -50,6 +50,24 @@ from pagoda.layers.moe_routing import Routing
 MOE_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
+def pair_weights(ctx, shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """[T * K] long: 1 for each (token, chosen expert) pair, 0 for the padding rows of a
+    captured graph (they write to slot -1). Made once per step for every MoE layer: at decode
+    sizes each small launch costs more than its work."""
+    key = tuple(shape)
+    cached = ctx.moe_pair_weights.get(key)
+    if cached is None:
+        t, k = key
+        meta = ctx.attn_metadata
+        if meta is not None and meta.for_graph:
+            real = (meta.slot_mapping[:t] >= 0).long()
+            cached = real.unsqueeze(1).expand(t, k).reshape(-1)
+        else:
+            cached = torch.ones(t * k, dtype=torch.long, device=device)
+        ctx.moe_pair_weights[key] = cached
+    return cached
+
+
 class FusedMoEMethod:
     """How a FusedMoE layer holds and applies its experts' weights (subclass for quantized experts)."""
 
@@ -188,12 +206,10 @@ class FusedMoE(nn.Module):
             ctx = get_forward_context()
         except RuntimeError:  # called outside the runner (unit tests): nothing to record
             return
-        ids = topk_ids.reshape(-1).long()
-        ones = torch.ones_like(ids)
-        meta = ctx.attn_metadata
-        if meta is not None and meta.for_graph:  # padding rows of a captured graph write to slot -1
-            ones = (meta.slot_mapping[: topk_ids.shape[0]] >= 0).long().repeat_interleave(topk_ids.shape[1])
-        counts = torch.zeros(self.num_experts, dtype=torch.long, device=ids.device).index_add_(0, ids, ones)
+        ids = topk_ids.reshape(-1)
+        ids = ids if ids.dtype == torch.long else ids.long()
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=ids.device)
+        counts.index_add_(0, ids, pair_weights(ctx, topk_ids.shape, ids.device))
         previous = ctx.expert_counts.get(self.prefix)
         ctx.expert_counts[self.prefix] = counts if previous is None else previous + counts
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from pagoda.errors import ModelLoadError
+from pagoda.kernels import get_op
 
 SCORINGS = ("softmax", "sigmoid")
 
@@ -67,14 +68,9 @@ class Routing:
 
 def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
                  scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over experts in float32, then the ``top_k`` largest (HF Qwen2MoeTopKRouter)."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    if scaling_factor != 1.0:
-        weights = weights * scaling_factor
-    return weights, ids
+    """Softmax over experts in float32, then the ``top_k`` largest (HF Qwen2MoeTopKRouter), by
+    the platform's ``topk_softmax`` op (one launch on CUDA instead of four)."""
+    return get_op("topk_softmax")(router_logits, top_k, renormalize, scaling_factor)
 
 
 def grouped_topk(router_logits: torch.Tensor, top_k: int, num_groups: int, topk_groups: int, renormalize: bool,

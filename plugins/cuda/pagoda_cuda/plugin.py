@@ -19,6 +19,7 @@ KERNELS = {
     "store_kv_cache": "pagoda_cuda.ops.kv_store:store_kv_cache",
     "store_mla_cache": "pagoda_cuda.attention.mla_decode:store_mla_cache",
     "fused_moe": "pagoda_cuda.ops.moe:fused_moe",
+    "topk_softmax": "pagoda_cuda.ops.moe_routing:topk_softmax",
 }
 KERNEL_PRIORITY = 10
 

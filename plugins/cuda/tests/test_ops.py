@@ -171,6 +171,30 @@ def test_fused_moe_real_shapes(device, tokens):
     _moe_case(device, torch.bfloat16, tokens, 2048, 768, 128, 8, with_invalid=tokens == 256)
 
 
+@pytest.mark.parametrize("tokens,experts,top_k,renormalize,scaling", [
+    (5, 8, 2, False, 1.0), (37, 60, 4, True, 1.0), (3, 128, 8, True, 2.5)])
+def test_topk_softmax(device, tokens, experts, top_k, renormalize, scaling):
+    from pagoda_cuda.ops.moe_routing import topk_softmax
+
+    gen = torch.Generator().manual_seed(tokens + experts)
+    wide = torch.randn(tokens, experts + 3, generator=gen)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = wide.to(device, dtype)[:, 1:experts + 1]  # a strided view
+        weights, ids = topk_softmax(logits, top_k, renormalize, scaling)
+        want_w, want_ids = ref.topk_softmax(logits, top_k, renormalize, scaling)
+        assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+        torch.testing.assert_close(weights, want_w, atol=1e-5, rtol=1e-5)
+        if dtype == torch.float32:
+            assert torch.equal(ids.cpu(), want_ids.cpu())
+        else:  # bf16 logits tie; torch.topk breaks ties in no fixed order: the chosen values agree
+            assert torch.equal(logits.gather(1, ids), logits.gather(1, want_ids))
+
+
+@GPU
+def test_topk_softmax_real_shape(device):
+    test_topk_softmax(device, 4096, 128, 8, True, 1.0)
+
+
 @pytest.mark.parametrize("experts,block_m", [(4, 16), (6, 32), (128, 16)])
 def test_moe_align_kernel_matches_torch_grouping(device, experts, block_m):
     from pagoda_cuda.ops.moe import align_torch
