@@ -15,6 +15,18 @@ def close(a, b, dtype, scale=1.0):
     torch.testing.assert_close(a.float(), b.float(), atol=tol["atol"] * scale, rtol=tol["rtol"] * scale)
 
 
+def test_rms_norm_reads_heads_of_a_fused_projection_in_place(device):
+    from pagoda_cuda.ops.norm import rms_norm
+
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(5, (4 + 2 + 2) * 16, generator=gen).to(device)
+    k = qkv[:, 64:96].view(5, 2, 16)  # rows 64 apart, heads 16 apart
+    w = (1 + 0.1 * torch.randn(16, generator=gen)).to(device)
+    out = rms_norm(k, w, 1e-6)
+    assert out.shape == (5, 2, 16)
+    close(out, ref.rms_norm(k.contiguous(), w, 1e-6), torch.float32)
+
+
 def _norm_case(device, dtype, rows, hidden, residual):
     from pagoda_cuda.ops.norm import fused_add_rms_norm, rms_norm
 
