@@ -59,6 +59,8 @@ def test_cpu_run_writes_the_result_file(tmp_path, capsys):
     bound = res["roofline"]["bound_output_tok_s"]
     assert res["fraction_of_bound"] == pytest.approx(res["best"]["output_tok_s"] / bound)
     assert res["profile"]["batch"] == 3 and res["profile"]["step_seconds"]["wall"] > 0
+    assert res["profile"]["prefill_step"]["tokens"] == 24  # the three 8-token prompts in one step
+    assert res["profile"]["prefill_step"]["kernels"]["busy_seconds"] > 0
     assert res["baseline"]["engine"] == "transformers" and res["baseline"]["output_tokens"] == 36
     assert res["engine_config"]["max_model_len"] == 20  # input + output unless given
 

@@ -84,6 +84,7 @@ def profile_decode(llm, prompts: list[list[int]], params, timed_steps: int = 8, 
     on_gpu = engine.platform.device_type == "cuda"
     ids = [engine.add_request(f"profile-{i}", p, params) for i, p in enumerate(prompts)]
     try:
+        prefill = _profile_prefill_step(engine, on_gpu)
         while engine.has_unfinished_requests() and not _decoding_only(engine):
             engine.step()
         for _ in range(3):  # let the first decode steps settle
@@ -122,7 +123,25 @@ def profile_decode(llm, prompts: list[list[int]], params, timed_steps: int = 8, 
         "kernels_source": "graph replay" if kernels is graph_table else "eager step",
         "eager_step": eager_table,
         "model_gap_seconds": gap,  # host time of the model call not covered by kernels
+        "prefill_step": prefill,
     }
+
+
+def _profile_prefill_step(engine, on_gpu: bool) -> dict:
+    """The first step of the admitted prompts (a full prefill chunk), eager, under the profiler."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if on_gpu:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    sched = engine.scheduler
+    before = sum(s.num_computed_tokens for s in sched.running)
+    with torch.profiler.profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        engine.step()
+        if on_gpu:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    tokens = sum(s.num_computed_tokens for s in sched.running) - before
+    return {"tokens": tokens, "wall_seconds": wall, "kernels": _kernel_table(prof, 1, on_gpu)}
 
 
 def format_profile(profile: dict) -> list[str]:
@@ -138,4 +157,11 @@ def format_profile(profile: dict) -> list[str]:
         lines.append(f"    {category:<11} {seconds * 1e3:8.3f} ms")
     if profile.get("model_gap_seconds") is not None:
         lines.append(f"  launch/sync gap in the model call: {profile['model_gap_seconds'] * 1e3:.3f} ms")
+    prefill = profile.get("prefill_step")
+    if prefill:
+        kernels = prefill["kernels"]
+        lines.append(f"prefill step profile: {prefill['tokens']} tokens, wall {prefill['wall_seconds'] * 1e3:.3f} ms, "
+                     f"kernels busy {kernels['busy_seconds'] * 1e3:.3f} ms")
+        for category, seconds in kernels["per_category_seconds"].items():
+            lines.append(f"    {category:<11} {seconds * 1e3:8.3f} ms")
     return lines

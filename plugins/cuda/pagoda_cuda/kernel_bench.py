@@ -33,14 +33,16 @@ def bench_decode(rows: list, nq: int, nk: int, hd: int, batch: int, ctx: int, sw
     q = torch.randn(batch, nq, hd, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     nbytes = batch * ctx * nk * hd * 2 * 2
-    splits = choose_splits(batch, nk, ctx, q.device)
-    configs = [decode_config(hd, nq // nk)]
-    if sweep:
-        configs += [(64, 4, 2), (128, 4, 2), (64, 4, 4), (128, 4, 3)]
-    for cfg in dict.fromkeys(configs):
+    chosen = choose_splits(batch, nk, ctx, q.device)
+    configs = [(decode_config(hd, nq // nk), chosen)]
+    if sweep:  # tiles, and two splits where the chosen count is one (a partial last wave of programs)
+        configs += [(cfg, chosen) for cfg in [(64, 4, 2), (128, 4, 2), (64, 4, 4), (128, 4, 3), (32, 4, 3),
+                                               (32, 4, 4), (32, 2, 4), (64, 8, 3), (128, 8, 3)]]
+        configs += [(cfg, 2 * chosen) for cfg in [(64, 4, 3), (32, 4, 4)]]
+    for cfg, splits in dict.fromkeys(configs):
         try:
-            t = _bench(lambda cfg=cfg: paged_decode(q, cache[0], cache[1], tables, lens, out, hd ** -0.5, splits,
-                                                    config=cfg))
+            t = _bench(lambda cfg=cfg, splits=splits: paged_decode(q, cache[0], cache[1], tables, lens, out,
+                                                                   hd ** -0.5, splits, config=cfg))
         except Exception as exc:  # a tile that does not fit (shared memory): report and go on
             rows.append({"kernel": "decode attention", "shape": f"{batch}x{ctx} nq{nq} nk{nk} d{hd}",
                          "config": cfg, "error": str(exc).splitlines()[0][:120]})
@@ -186,6 +188,7 @@ def main(argv=None) -> int:
         steps.append(lambda: tune_moe(rows, args.tune_moe, args.install_tuned))
     steps += [
         lambda: bench_decode(rows, 16, 8, 128, 256, 640, not args.no_sweep),  # qwen3-0.6b
+        lambda: bench_decode(rows, 16, 8, 128, 256, 524, not args.no_sweep),  # its mean context in the benchmark
         lambda: bench_decode(rows, 32, 32, 96, 256, 640, not args.no_sweep),  # phi3-mini
         lambda: bench_decode(rows, 32, 4, 128, 256, 640, False),  # qwen3-30b-a3b
         lambda: bench_decode(rows, 16, 8, 128, 4, 16384, False),  # long context, split
