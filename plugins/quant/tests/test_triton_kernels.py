@@ -76,22 +76,104 @@ def test_fp8_block_gemm_matches_reference(m):
     torch.testing.assert_close(out, ref.fp8_block_linear(x, wq, ws, block), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("m", [4, 33, 130])
+def _int4_weight(n, k, group, dtype, seed=3):
+    torch.manual_seed(seed)
+    q, s, z = i4.quantize_groups(torch.randn(n, k, device=DEVICE), group)
+    return i4.to_kernel_layout(q, s, z, dtype)
+
+
+# (M, N, K, group, blocks (BLOCK_M, BLOCK_N, BLOCK_K) or None: the default, split_k, bias)
+INT4_GEMM_CASES = {
+    "one group per tile, M < 16, N % BLOCK_N != 0": (5, 80, 256, 128, None, 1, True),
+    "one group per tile, split-K 2": (5, 80, 256, 128, None, 2, False),
+    "group 32: four groups per tile, split-K 3 over 2 tiles": (3, 48, 256, 32, None, 3, True),
+    "group 64, BLOCK_K 256, partial last K tile": (20, 64, 384, 64, (16, 32, 256), 1, True),
+    "group 64, M 33 over BLOCK_M 32, split-K 2": (33, 40, 192, 64, (32, 32, 128), 2, True),
+    "one group per row (group = K = 192)": (2, 32, 192, -1, None, 2, False),
+}
+
+
+@pytest.mark.parametrize("case", list(INT4_GEMM_CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_int4_gemm_matches_reference(m, dtype):
-    torch.manual_seed(3)
-    k, n = 256, 80
-    q, s, z = i4.quantize_groups(torch.randn(n, k, device=DEVICE), 64)
-    qweight, scales, zeros = i4.to_kernel_layout(q, s, z, dtype)
+def test_int4_gemm_matches_reference(case, dtype):
+    """Every path of the fused kernel: one or several groups per K tile, split-K 1 and > 1 (atomics),
+    M and N not multiples of the block, K not a multiple of BLOCK_K, bias or not."""
+    m, n, k, group, blocks, split, with_bias = INT4_GEMM_CASES[case]
+    qweight, scales, zeros = _int4_weight(n, k, group, dtype)
     x = torch.randn(m, k, device=DEVICE).to(dtype)
-    bias = torch.randn(n, device=DEVICE).to(dtype)
+    bias = torch.randn(n, device=DEVICE).to(dtype) if with_bias else None
     want = ref.int4_linear(x, qweight, scales, zeros, bias).float()
     tol = dict(rtol=2e-3, atol=2e-2) if dtype == torch.float16 else dict(rtol=1e-5, atol=1e-4)
-    for split in (1, 2):
-        torch.testing.assert_close(triton_int4.int4_gemm(x, qweight, scales, zeros, bias, split_k=split).float(),
-                                   want, **tol)
-    torch.testing.assert_close(triton_int4.int4_dequantize(qweight, scales, zeros),
-                               i4.dequantize_packed(qweight, scales, zeros), rtol=0, atol=0)
+    got = triton_int4.int4_gemm(x, qweight, scales, zeros, bias, split_k=split, blocks=blocks)
+    assert got.dtype == dtype and got.shape == (m, n)
+    torch.testing.assert_close(got.float(), want, **tol)
+
+
+def test_int4_gemm_default_configuration_and_odd_group():
+    """The configuration a caller gets (no override), and a group of 4 (a group boundary inside a
+    packed word), which falls back to dequantize + matmul."""
+    for group in (64, 4):
+        qweight, scales, zeros = _int4_weight(64, 128, group, torch.float32)
+        x = torch.randn(7, 128, device=DEVICE)
+        torch.testing.assert_close(triton_int4.int4_gemm(x, qweight, scales, zeros, None),
+                                   ref.int4_linear(x, qweight, scales, zeros), rtol=1e-5, atol=1e-4)
+    assert triton_int4.int4_gemm(x[:0], qweight, scales, zeros, None).shape == (0, 64)
+
+
+@pytest.mark.parametrize("group,k", [(128, 256), (32, 256), (64, 192)])
+def test_int4_dequantize_is_exact(group, k):
+    """Bit-exact against the reference: (q - z) * s in float32, rounded once (K 192: a partial tile).
+    The interpreter's own float32 -> bfloat16 cast rounds some ties wrongly: one bf16 step there."""
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        qweight, scales, zeros = _int4_weight(40, k, group, dtype)
+        tol = 2.0 ** -7 if INTERPRETED and dtype == torch.bfloat16 else 0
+        torch.testing.assert_close(triton_int4.int4_dequantize(qweight, scales, zeros),
+                                   i4.dequantize_packed(qweight, scales, zeros), rtol=tol, atol=0)
+
+
+def test_split_k_heuristic_fills_the_gpu():
+    """Decode shapes get about PROGRAMS_PER_SM programs per SM, never more splits than K tiles allow."""
+    sms = 132
+    for n, k in ((9216, 3072), (3072, 3072), (16384, 3072), (3072, 8192)):
+        split = triton_int4.split_for(8, n, k, 16, 64, 128, sms)
+        programs = triton.cdiv(n, 64) * split
+        assert split == 1 or programs <= 2 * triton_int4.PROGRAMS_PER_SM * sms
+        # at least half the target (powers of two), unless K has too few tiles to split further
+        assert 2 * programs >= min(triton_int4.PROGRAMS_PER_SM * sms, triton.cdiv(n, 64) * (k // 128))
+        assert split <= max(1, k // 128 // 2)
+    assert triton_int4.split_for(256, 9216, 3072, 128, 128, 128, sms) == 4  # 72 x 2 tiles: a little split
+    assert [triton_int4.m_bucket(m) for m in (1, 8, 16, 17, 64, 100, 255)] == [16, 16, 16, 32, 64, 128, 128]
+
+
+def test_autotuning_tries_the_bucket_configs_at_two_splits(monkeypatch):
+    """What the GPU autotuner benchmarks for a decode batch: the M bucket's tile shapes, each at the
+    heuristic SPLIT_K and twice it."""
+    monkeypatch.setattr(triton_int4, "_num_sms", lambda index: 132)
+    x = torch.empty(8, 3072)
+    configs = triton_int4._expand_splits(triton_int4._TUNE_CONFIGS, {"M": 8, "N": 3072, "K": 3072, "x_ptr": x})
+    assert {c.kwargs["BLOCK_M"] for c in configs} == {16}
+    assert len(configs) == 2 * len(triton_int4._TUNE_BASES[16])
+    for c in configs:
+        base = triton_int4.split_for(8, 3072, 3072, 16, c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], 132)
+        assert c.kwargs["SPLIT_K"] in (base, 2 * base)
+
+
+def test_int4_act_order_permutation_reaches_the_kernel(monkeypatch):
+    """GPTQ act-order: the method permutes the input columns before the fused kernel."""
+    from pagoda_quant.methods import int4 as int4_methods
+
+    k, n = 128, 48
+    torch.manual_seed(6)
+    perm = torch.randperm(k, device=DEVICE)
+    q, s, z = i4.quantize_groups(torch.randn(n, k, device=DEVICE)[:, perm], 32)  # groups over permuted columns
+    layer = torch.nn.Module()
+    for name, t in zip(("qweight", "scales", "zeros"), i4.to_kernel_layout(q, s, z, torch.float32)):
+        layer.register_buffer(name, t)
+    layer.register_buffer("perm", perm)
+    monkeypatch.setattr(int4_methods, "op", lambda name: cuda_ops.int4_linear)
+    method = int4_methods.Int4KernelLayout.__new__(int4_methods.Int4KernelLayout)
+    x = torch.randn(3, k, device=DEVICE)
+    torch.testing.assert_close(method.apply(layer, x, None), x @ method.dequantize(layer).t(), rtol=1e-5, atol=1e-4)
 
 
 def test_gpu_ops_compose_quantization_and_gemm():

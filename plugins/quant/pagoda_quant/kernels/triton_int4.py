@@ -1,15 +1,33 @@
 """Triton kernels for INT4 weight-only (W4A16) matmuls over pagoda's packed layout.
 
   int4_gemm(x [M, K], qweight int32 [K/8, N], scales [K/G, N], zeros [K/G, N], bias, split_k)
-      dequantizes each [BLOCK_K, BLOCK_N] weight tile in registers — w = (q - z) * s, in
-      float32, rounded once to the activation dtype — and multiplies on the tensor cores.
-      ``split_k`` > 1 spreads K over more programs (small decode batches) and sums the
-      partial tiles with float32 atomics.
+      the fused dequantize-GEMM for small batches (decode), memory-bound on the weight bytes.
   int4_dequantize(qweight, scales, zeros) -> W^T [K, N] in the scales' dtype, for large
       batches where one dequantization plus a dense matmul is faster.
+
+Every weight byte is loaded once. A program loads a packed tile [BLOCK_K/8, BLOCK_N] (rows
+of int32 words, contiguous along N: coalesced 16-byte loads); word row r holds the eight
+input rows k0 + 8r + j (nibble j). For each j the kernel dequantizes that nibble plane,
+w_j = (q - z) * s in float32 rounded once to the activation dtype (as the reference), and
+multiplies it with the activation columns x[:, k0 + 8r + j] (a strided [BLOCK_M, BLOCK_K/8]
+load from a tiny, cached x): acc += x_j @ w_j on the tensor cores. Scales and zero points
+are read once per tile: one [1, BLOCK_N] row when a group spans the whole tile
+(GROUP % BLOCK_K == 0), else one [BLOCK_K/8, BLOCK_N] load shared by the eight planes
+(GROUP % 8 == 0, so the eight rows of a word share a group). The int -> float conversion
+ORs the nibble into the mantissa of 2^23 (exact, no I2F instruction) and subtracts 2^23 + z.
+
+Parallelism at decode shapes comes from split-K: SPLIT_K programs share an output tile,
+each summing every SPLIT_K-th K tile, and add their float32 partials atomically into a
+zeroed buffer (the bias by the first split); one cast to the activation dtype follows. On a
+GPU the tile shapes, SPLIT_K, warps and stages are autotuned per (N, K, M bucket, group),
+on the first call of a shape — in the engine that is the eager warm-up before a decode
+graph is captured, never inside a capture. The interpreter runs one fixed configuration.
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import triton
@@ -17,102 +35,245 @@ import triton.language as tl
 
 from pagoda_quant.kernels._triton import interpreting
 
-
-@triton.jit
-def _dequant_tile(qw_ptr, s_ptr, z_ptr, offs_k, offs_n, K, N, GROUP, stride_qk, stride_sg, stride_zg):
-    """The dequantized float32 tile W^T[offs_k, offs_n]."""
-    mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
-    packed = tl.load(qw_ptr + (offs_k[:, None] // 8) * stride_qk + offs_n[None, :], mask=mask, other=0)
-    q = (packed >> ((offs_k[:, None] % 8) * 4)) & 0xF
-    g = offs_k // GROUP
-    s = tl.load(s_ptr + g[:, None] * stride_sg + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + g[:, None] * stride_zg + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    return (q.to(tl.float32) - z) * s
+TWO_23 = 8388608.0  # 2^23: a float32 whose lowest mantissa bits hold an integer 0..15 exactly
 
 
 @triton.jit
-def _int4_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, c_ptr, bias_ptr, M, N, K, GROUP,
-                      stride_xm, stride_qk, stride_sg, stride_zg, stride_cm,
-                      HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, SPLIT_K: tl.constexpr, UPCAST: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _group_params(s_ptr, z_ptr, k0, rows, n, n_mask, r_mask, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+                  stride_sg, stride_zg):
+    """(scale, 2^23 + zero) in float32 for the packed rows ``rows`` of the tile starting at k0:
+    [1, BLOCK_N] when one group spans the tile, else [BLOCK_K/8, BLOCK_N] (row r: group of k0 + 8r)."""
+    if GROUP % BLOCK_K == 0:
+        g = k0 // GROUP
+        s = tl.load(s_ptr + g * stride_sg + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        z = tl.load(z_ptr + g * stride_zg + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    else:
+        g = (rows * 8) // GROUP
+        mask = r_mask[:, None] & n_mask[None, :]
+        s = tl.load(s_ptr + g[:, None] * stride_sg + n[None, :], mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g[:, None] * stride_zg + n[None, :], mask=mask, other=0.0).to(tl.float32)
+    return s, z + 8388608.0
+
+
+@triton.jit
+def _nibble_plane(packed, s, z_biased, J: tl.constexpr, INTERPRET: tl.constexpr):
+    """Float32 (q_J - z) * s of nibble J of every word: exact up to the one multiplication."""
+    shifted = packed >> (4 * J)
+    if INTERPRET:
+        q = (shifted & 0xF) | 0x4B000000
+    else:  # one LOP3, (a & 0xF) | 0x4B000000, where LLVM would emit a bit-field extract (2 ops) and an OR
+        q = tl.inline_asm_elementwise("lop3.b32 $0, $1, 15, 1258291200, 234;", "=r,r", [shifted],
+                                      dtype=tl.int32, is_pure=True, pack=1)
+    return (q.to(tl.float32, bitcast=True) - z_biased) * s  # the float 2^23 + q minus 2^23 + z: exact
+
+
+@triton.jit
+def _plane_dot(acc, x_j, packed, s, z_biased, J: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    w_j = _nibble_plane(packed, s, z_biased, J, UPCAST).to(x_j.dtype)  # the one rounding, as the reference
+    if UPCAST:
+        x_j = x_j.to(tl.float32)
+        w_j = w_j.to(tl.float32)
+    return tl.dot(x_j, w_j, acc, input_precision=PRECISION)
+
+
+@triton.jit(do_not_specialize=["M", "M_BUCKET", "SPLIT_K"])
+def _int4_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, c_ptr, bias_ptr, M, N, K, M_BUCKET,
+                      stride_xm, stride_qk, stride_sg, stride_zg, stride_cm, SPLIT_K,
+                      GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, UPCAST: tl.constexpr,
+                      PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # M_BUCKET only keys the autotuner (one tuning per batch-size bucket, not per M)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_K // 8)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    packed_rows = K // 8
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        rows = k0 // 8 + offs_r  # packed rows of this tile
+        r_mask = rows < packed_rows
+        packed = tl.load(qw_ptr + rows[:, None] * stride_qk + offs_n[None, :],
+                         mask=r_mask[:, None] & n_mask[None, :], other=0)  # [BLOCK_K/8, BLOCK_N]
+        s, z_biased = _group_params(s_ptr, z_ptr, k0, rows, offs_n, n_mask, r_mask, GROUP, BLOCK_K,
+                                    stride_sg, stride_zg)
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
-        w = _dequant_tile(qw_ptr, s_ptr, z_ptr, offs_k, offs_n, K, N, GROUP, stride_qk, stride_sg, stride_zg)
-        w = w.to(x.dtype)  # the one rounding of the weight, as the reference does
-        if UPCAST:
-            x = x.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(x, w, acc)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+        # the eight column planes x[:, k0 + 8r + j], j = 4a + 2b + c: split c, then b, then a
+        x_c0, x_c1 = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 8, 2, 2, 2]))
+        x_b00, x_b01 = tl.split(x_c0)
+        x_b10, x_b11 = tl.split(x_c1)
+        x_0, x_4 = tl.split(x_b00)
+        x_2, x_6 = tl.split(x_b01)
+        x_1, x_5 = tl.split(x_b10)
+        x_3, x_7 = tl.split(x_b11)
+        acc = _plane_dot(acc, x_0, packed, s, z_biased, 0, UPCAST, PRECISION)
+        acc = _plane_dot(acc, x_1, packed, s, z_biased, 1, UPCAST, PRECISION)
+        acc = _plane_dot(acc, x_2, packed, s, z_biased, 2, UPCAST, PRECISION)
+        acc = _plane_dot(acc, x_3, packed, s, z_biased, 3, UPCAST, PRECISION)
+        acc = _plane_dot(acc, x_4, packed, s, z_biased, 4, UPCAST, PRECISION)
+        acc = _plane_dot(acc, x_5, packed, s, z_biased, 5, UPCAST, PRECISION)
+        acc = _plane_dot(acc, x_6, packed, s, z_biased, 6, UPCAST, PRECISION)
+        acc = _plane_dot(acc, x_7, packed, s, z_biased, 7, UPCAST, PRECISION)
+    if HAS_BIAS:
+        if pid_k == 0:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
     if ATOMIC:
-        tl.atomic_add(c_ptrs, acc, mask=mask)
+        tl.atomic_add(c_ptrs, acc, mask=mask, sem="relaxed")  # a commutative sum: no ordering needed
     else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _int4_dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, K, N, GROUP, stride_qk, stride_sg, stride_zg, stride_ok,
-                         BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+def _int4_dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, K, N, stride_qk, stride_sg, stride_zg, stride_ok,
+                         GROUP: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    k0 = tl.program_id(0) * BLOCK_K
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    w = _dequant_tile(qw_ptr, s_ptr, z_ptr, offs_k, offs_n, K, N, GROUP, stride_qk, stride_sg, stride_zg)
-    mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
-    tl.store(out_ptr + offs_k[:, None] * stride_ok + offs_n[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+    rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    r_mask = rows < K // 8
+    n_mask = offs_n < N
+    mask = r_mask[:, None] & n_mask[None, :]
+    packed = tl.load(qw_ptr + rows[:, None] * stride_qk + offs_n[None, :], mask=mask, other=0)
+    s, z_biased = _group_params(s_ptr, z_ptr, k0, rows, offs_n, n_mask, r_mask, GROUP, BLOCK_K, stride_sg, stride_zg)
+    out_rows = out_ptr + (rows * 8)[:, None] * stride_ok + offs_n[None, :]
+    for j in tl.static_range(8):  # input row 8r + j of each word row r: coalesced along N
+        w_j = _nibble_plane(packed, s, z_biased, j, INTERPRET)
+        tl.store(out_rows + j * stride_ok, w_j.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps) by batch size, without autotuning."""
-    if m <= 16:
-        block_m, block_n, block_k, warps = 16, 64, 128, 4
-        tiles = triton.cdiv(n, block_n)
-        split = max(1, min(8, 256 // max(tiles, 1), k // block_k))  # enough programs to fill the GPU
-        return block_m, block_n, block_k, split, warps
-    if m <= 64:
-        return 64, 64, 64, 1, 4
-    return 128, 128, 32, 1, 8
+# --- configurations --------------------------------------------------------------------------
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) tried per batch-size bucket; BLOCK_M follows the bucket
+_TUNE_BASES = {
+    16: [(32, 256, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 8, 4), (128, 256, 8, 2)],
+    32: [(64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3)],
+    64: [(64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3)],
+    128: [(64, 128, 4, 3), (128, 128, 8, 3)],
+}
+PROGRAMS_PER_SM = 4  # split-K target: enough programs in flight to cover the memory latency
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def m_bucket(m: int) -> int:
+    """The batch-size bucket that keys tuning: 16 for up to 16 rows, then powers of two to 128."""
+    return min(128, max(16, triton.next_power_of_2(m)))
+
+
+def split_for(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int, sms: int) -> int:
+    """SPLIT_K giving about PROGRAMS_PER_SM programs per SM (a power of two, each split >= 2 K tiles
+    where K allows it)."""
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    want = triton.cdiv(PROGRAMS_PER_SM * sms, tiles)
+    most = max(1, triton.cdiv(k, block_k) // 2)
+    return max(1, min(triton.next_power_of_2(want), triton.next_power_of_2(most + 1) // 2))
+
+
+def _expand_splits(configs, named_args, **kwargs):
+    """Autotuner pruning, once per key: each base configuration at the heuristic SPLIT_K and twice it."""
+    m, n, k = named_args["M"], named_args["N"], named_args["K"]
+    sms = _num_sms(named_args["x_ptr"].device.index or 0)
+    out = []
+    for cfg in configs:
+        bm, bn, bk = (cfg.kwargs[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+        if bm != m_bucket(m):
+            continue
+        split = split_for(m, n, k, bm, bn, bk, sms)
+        for s in sorted({split, min(2 * split, max(1, triton.cdiv(k, bk)))}):
+            out.append(triton.Config({**cfg.kwargs, "SPLIT_K": s}, num_warps=cfg.num_warps,
+                                     num_stages=cfg.num_stages))
+    return out
+
+
+def _quick_bench(kernel_call, quantiles):
+    # decode GEMMs take microseconds: 20 ms of repetitions decide; keeps tuning of a model short
+    from triton.testing import do_bench
+
+    return do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+
+
+_TUNE_CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+                 for bm, bases in _TUNE_BASES.items() for bn, bk, w, s in bases]
+_int4_gemm_tuned = triton.autotune(_TUNE_CONFIGS, key=["N", "K", "M_BUCKET", "GROUP"], reset_to_zero=["c_ptr"],
+                                   prune_configs_by={"early_config_prune": _expand_splits},
+                                   do_bench=_quick_bench, cache_results=True)(_int4_gemm_kernel)
+
+
+def _fixed_config(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) without tuning (interpreter,
+    PAGODA_QUANT_INT4_AUTOTUNE=0)."""
+    if interpreting():
+        return 16, 32, 128, 1, 4, 1
+    bm = m_bucket(m)
+    bn, bk, warps, stages = (64, 128, 4, 4) if bm == 16 else (128, 128, 8, 3)
+    return bm, bn, bk, split_for(m, n, k, bm, bn, bk, _num_sms(device.index or 0)), warps, stages
+
+
+def _autotune() -> bool:
+    return not interpreting() and os.environ.get("PAGODA_QUANT_INT4_AUTOTUNE", "1") != "0"
 
 
 def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-              bias: torch.Tensor | None, split_k: int | None = None) -> torch.Tensor:
+              bias: torch.Tensor | None, split_k: int | None = None,
+              blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] (unit stride along K) times the packed weight -> [M, N] in x's dtype.
+    ``split_k`` / ``blocks`` (BLOCK_M, BLOCK_N, BLOCK_K; BLOCK_K >= 128) fix the configuration
+    (tests); otherwise a GPU autotunes and the interpreter uses one fixed configuration."""
     m, k = x.shape
     n = qweight.shape[1]
     group = k // scales.shape[0]
-    block_m, block_n, block_k, split, warps = _config(m, n, k)
-    split = split if split_k is None else split_k
     if m == 0:
         return torch.empty((0, n), dtype=x.dtype, device=x.device)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if group % 8:  # a group boundary inside a packed word: no per-word scales; dequantize instead
+        return torch.nn.functional.linear(x, int4_dequantize(qweight, scales, zeros).to(x.dtype).t(), bias)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 activations: no TF32 rounding
+    args = (x, qweight, scales, zeros)
+    if split_k is None and blocks is None and _autotune():
+        c = torch.zeros((m, n), dtype=torch.float32, device=x.device)
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]),  # noqa: E731
+                             meta["SPLIT_K"])
+        _int4_gemm_tuned[grid](*args, c, bias if bias is not None else c, m, n, k, m_bucket(m),
+                               x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), c.stride(0),
+                               GROUP=group, HAS_BIAS=bias is not None, ATOMIC=True, UPCAST=False, PRECISION=precision)
+        return c.to(x.dtype)
+    block_m, block_n, block_k, split, warps, stages = _fixed_config(m, n, k, x.device)
+    if blocks is not None:
+        block_m, block_n, block_k = blocks
+    split = split if split_k is None else split_k
     atomic = split > 1
     c = torch.zeros((m, n), dtype=torch.float32, device=x.device) if atomic else \
         torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
-    _int4_gemm_kernel[grid](x, qweight, scales, zeros, c, bias if bias is not None else c, m, n, k, group,
-                            x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), c.stride(0),
-                            HAS_BIAS=bias is not None, ATOMIC=atomic, SPLIT_K=split, UPCAST=interpreting(),
-                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=3)
-    if atomic:
-        if bias is not None:
-            c += bias.float()
-        c = c.to(x.dtype)
-    return c
+    _int4_gemm_kernel[grid](*args, c, bias if bias is not None else c, m, n, k, m_bucket(m),
+                            x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), c.stride(0), split,
+                            GROUP=group, HAS_BIAS=bias is not None, ATOMIC=atomic, UPCAST=interpreting(),
+                            PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                            num_warps=warps, num_stages=stages)
+    return c.to(x.dtype) if atomic else c
 
 
-def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    block_k: int = 128) -> torch.Tensor:
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     group = k // scales.shape[0]
     out = torch.empty((k, n), dtype=scales.dtype, device=qweight.device)
-    block_k, block_n = 64, 128
+    if group % 8:  # the kernel shares one group per packed word
+        from pagoda_quant.formats.int4 import dequantize_packed
+
+        return dequantize_packed(qweight, scales, zeros)
+    block_n = 128
     grid = (triton.cdiv(k, block_k), triton.cdiv(n, block_n))
-    _int4_dequant_kernel[grid](qweight, scales, zeros, out, k, n, group, qweight.stride(0), scales.stride(0),
-                               zeros.stride(0), out.stride(0), BLOCK_K=block_k, BLOCK_N=block_n, num_warps=4)
+    _int4_dequant_kernel[grid](qweight, scales, zeros, out, k, n, qweight.stride(0), scales.stride(0),
+                               zeros.stride(0), out.stride(0), GROUP=group, INTERPRET=interpreting(),
+                               BLOCK_K=block_k, BLOCK_N=block_n, num_warps=4)
     return out
