@@ -9,8 +9,11 @@ and timed against the bf16 ``F.linear`` of the same shape:
   int4_linear       Triton fused dequantize-GEMM (small batches) and dequantize + dense GEMM
   fused_moe_quant   a Qwen3-30B-A3B expert layer (128 experts, top-8), fp8 and int4
 
-Prints a table and writes JSON (``--json``). Exit status 1 when any op is outside its
-tolerance, so scripts/gpu_quant_check.sh fails loudly.
+Prints a table and writes JSON (``--json``), then an INT4 summary at small batches: per
+Phi-3-mini / Llama-3-8B layer and M in INT4_SUMMARY_TOKENS, bf16 time, INT4 time (autotuned and
+the fixed configuration), the speedup and the INT4 weight bytes per second against the measured
+device copy bandwidth (the byte bound), plus what the first (autotuning) call of each shape cost.
+Exit status 1 when any op is outside its tolerance, so scripts/gpu_quant_check.sh fails loudly.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ SHAPES = {
     "phi3-mini": [("qkv", 9216, 3072), ("o", 3072, 3072), ("gate_up", 16384, 3072), ("down", 3072, 8192)],
     "llama3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)],
 }
-TOKENS = (1, 8, 32, 128, 256, 1024, 4096)
+TOKENS = (1, 8, 16, 32, 64, 256, 4096)
+INT4_SUMMARY_TOKENS = (1, 8, 16, 64)  # decode batches, where INT4 must beat bf16
 # relative L2 error against the reference allowed for each op (bf16 output rounding, fp32 sum order)
 TOLERANCE = {"fp8_linear": 0.01, "fp8_block_linear": 0.01, "int4_linear": 0.01, "fused_moe_quant": 0.02}
 
@@ -44,6 +48,25 @@ def _time_us(fn, iters: int = 20) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1000 / iters
+
+
+def copy_bandwidth_gbps() -> float:
+    """Device memory bandwidth as a 1 GiB device-to-device copy reaches it (read + write bytes)."""
+    src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    us = _time_us(partial(dst.copy_, src), iters=10)
+    return 2 * (1 << 30) / us / 1e3
+
+
+def _first_call_ms(fn) -> float:
+    """Wall time of a first call (for INT4: compile + autotune of that shape and batch bucket)."""
+    import time
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -93,12 +116,17 @@ def check_linear(model: str, tokens: tuple[int, ...]) -> list[dict]:
                  partial(reference.int4_linear, x, qw, sc, zr), "int4", {}),
             ]
             for op, path, fn, ref, fmt, env in cases:
+                extra = {}
+                if op == "int4_linear" and path == "fused":
+                    extra["first_call_ms"] = _first_call_ms(fn)
+                    if m in INT4_SUMMARY_TOKENS:  # the untuned configuration, for comparison
+                        extra["fixed_us"] = _with_env({"PAGODA_QUANT_INT4_AUTOTUNE": "0"}, partial(_time_us, fn))
                 err = _rel(_with_env(env, fn), ref())
                 us = _with_env(env, partial(_time_us, fn))
                 rows.append({"model": model, "layer": name, "N": n, "K": k, "tokens": m, "op": op, "path": path,
                              "rel_error": err, "ok": err < TOLERANCE[op], "us": us, "bf16_us": base,
                              "speedup_vs_bf16": base / us, "weight_GBps": weight_bytes[fmt] / us / 1e3,
-                             "TFLOPs": 2 * m * n * k / us / 1e6})
+                             "TFLOPs": 2 * m * n * k / us / 1e6, **extra})
     return rows
 
 
@@ -141,6 +169,25 @@ def check_moe(tokens: tuple[int, ...]) -> list[dict]:
     return rows
 
 
+def print_int4_summary(rows: list[dict], copy_gbps: float) -> None:
+    """INT4 against bf16 at decode batches: does INT4 win, and how close to its byte bound is it."""
+    int4 = [r for r in rows if r["op"] == "int4_linear" and r["tokens"] in INT4_SUMMARY_TOKENS]
+    if any(r["model"] == "phi3-mini" for r in int4):  # the benchmark shape; the others are in the table above
+        int4 = [r for r in int4 if r["model"] == "phi3-mini"]
+    if not int4:
+        return
+    print(f"INT4 W4A16 (group 128) vs bf16 at small batches; byte bound: {copy_gbps:.0f} GB/s device copy")
+    print(f"{'model':<11}{'layer':<8}{'N x K':>12}{'M':>4}{'bf16 us':>9}{'int4 us':>9}{'x bf16':>8}{'GB/s':>7}"
+          f"{'of bound':>9}{'fixed us':>9}{'1st call ms':>12}")
+    for r in int4:
+        print(f"{r['model'][:10]:<11}{r['layer']:<8}{r['N']:>6}x{r['K']:<5}{r['tokens']:>4}{r['bf16_us']:>9.1f}"
+              f"{r['us']:>9.1f}{r['speedup_vs_bf16']:>8.2f}{r['weight_GBps']:>7.0f}"
+              f"{r['weight_GBps'] / copy_gbps:>9.0%}{r.get('fixed_us', float('nan')):>9.1f}"
+              f"{r.get('first_call_ms', float('nan')):>12.0f}")
+    wins = sum(r["speedup_vs_bf16"] > 1 for r in int4)
+    print(f"INT4 faster than bf16 in {wins}/{len(int4)} small-batch cases")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -162,9 +209,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['model']:<14}{r['layer']:<9}{r['tokens']:>7}  {r['op']:<17}{r['path']:<13}{r['rel_error']:>9.2e}"
               f"{r['us']:>10.1f}{r['bf16_us']:>10.1f}{r['speedup_vs_bf16']:>8.2f}{r['weight_GBps']:>8.0f}"
               f"{r['TFLOPs']:>9.1f}{flag}")
+    copy_gbps = copy_bandwidth_gbps()
+    print_int4_summary(rows, copy_gbps)
     if args.json_path:
         with open(args.json_path, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": copy_gbps, "rows": rows}, f, indent=1)
     bad = [r for r in rows if not r["ok"]]
     print(f"{len(rows) - len(bad)}/{len(rows)} within tolerance")
     return 1 if bad else 0

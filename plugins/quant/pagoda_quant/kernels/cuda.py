@@ -3,12 +3,15 @@
   fp8_linear        cuBLASLt through ``torch._scaled_mm`` with row-wise scales (Hopper and
                     later, bf16 output), else the Triton GEMM; activations quantized by Triton.
   fp8_block_linear  Triton per-token-group quantization + Triton block-scaled GEMM.
-  int4_linear       Triton fused dequantize-GEMM up to INT4_DENSE_MIN_TOKENS rows; above it one
-                    Triton dequantization to the activation dtype plus a dense matmul
-                    (prefill is compute-bound, so the dense tensor-core GEMM wins there).
+  int4_linear       Triton fused dequantize-GEMM up to INT4_DENSE_MIN_TOKENS rows (split-K,
+                    autotuned per shape and batch bucket on its first call, which the engine
+                    makes eagerly before capturing a decode graph); above it one Triton
+                    dequantization to the activation dtype plus a dense matmul (prefill is
+                    compute-bound, so the dense tensor-core GEMM wins there).
   fused_moe_quant   Triton fused MoE dequantizing expert weight tiles in registers.
 
-``PAGODA_QUANT_FP8_GEMM=triton`` forces the Triton FP8 GEMM (benchmarks compare both). All
+``PAGODA_QUANT_FP8_GEMM=triton`` forces the Triton FP8 GEMM (benchmarks compare both);
+``PAGODA_QUANT_INT4_AUTOTUNE=0`` gives the INT4 GEMM a fixed configuration instead. All
 paths are CUDA-graph safe: no host synchronisation and no data-dependent Python branches.
 """
 
