@@ -235,6 +235,19 @@ def test_fused_moe_quant_matches_reference(fmt, dtype):
         torch.testing.assert_close(got.float(), want.float(), **tol)
 
 
+def test_fused_moe_int4_one_group_per_tile():
+    """INT4 experts whose group spans the whole K tile (group 128, hidden 256, intermediate 128)."""
+    from pagoda_quant.kernels import triton_moe
+    from pagoda_quant.methods.moe import Int4ExpertsMethod
+
+    torch.manual_seed(7)
+    w13, w2 = _experts(Int4ExpertsMethod(128, False), e=3, h=256, inter=128)
+    x = torch.randn(5, 256, device=DEVICE)
+    weights, ids = torch.randn(5, 3, device=DEVICE).softmax(-1).topk(2)
+    torch.testing.assert_close(triton_moe.fused_moe_quant(x, w13, w2, weights, ids),
+                               ref.fused_moe_quant(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-4)
+
+
 def test_moe_alignment_pads_each_expert_to_whole_blocks():
     from pagoda_quant.kernels.triton_moe import align
 

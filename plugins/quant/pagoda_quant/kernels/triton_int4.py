@@ -39,7 +39,7 @@ TWO_23 = 8388608.0  # 2^23: a float32 whose lowest mantissa bits hold an integer
 
 
 @triton.jit
-def _group_params(s_ptr, z_ptr, k0, rows, n, n_mask, r_mask, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+def group_params(s_ptr, z_ptr, k0, rows, n, n_mask, r_mask, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
                   stride_sg, stride_zg):
     """(scale, 2^23 + zero) in float32 for the packed rows ``rows`` of the tile starting at k0:
     [1, BLOCK_N] when one group spans the tile, else [BLOCK_K/8, BLOCK_N] (row r: group of k0 + 8r)."""
@@ -76,6 +76,29 @@ def _plane_dot(acc, x_j, packed, s, z_biased, J: tl.constexpr, UPCAST: tl.conste
     return tl.dot(x_j, w_j, acc, input_precision=PRECISION)
 
 
+@triton.jit
+def packed_tile_dot(acc, x, packed, s, z_biased, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                    UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + x @ W for an activation tile x [BLOCK_M, BLOCK_K] (contiguous K) and the packed weight
+    tile [BLOCK_K/8, BLOCK_N] with its group parameters (``group_params``): the activation's column
+    planes x[:, 8r + j], j = 4a + 2b + c, split out (c, then b, then a), each times nibble plane j."""
+    x_c0, x_c1 = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 8, 2, 2, 2]))
+    x_b00, x_b01 = tl.split(x_c0)
+    x_b10, x_b11 = tl.split(x_c1)
+    x_0, x_4 = tl.split(x_b00)
+    x_2, x_6 = tl.split(x_b01)
+    x_1, x_5 = tl.split(x_b10)
+    x_3, x_7 = tl.split(x_b11)
+    acc = _plane_dot(acc, x_0, packed, s, z_biased, 0, UPCAST, PRECISION)
+    acc = _plane_dot(acc, x_1, packed, s, z_biased, 1, UPCAST, PRECISION)
+    acc = _plane_dot(acc, x_2, packed, s, z_biased, 2, UPCAST, PRECISION)
+    acc = _plane_dot(acc, x_3, packed, s, z_biased, 3, UPCAST, PRECISION)
+    acc = _plane_dot(acc, x_4, packed, s, z_biased, 4, UPCAST, PRECISION)
+    acc = _plane_dot(acc, x_5, packed, s, z_biased, 5, UPCAST, PRECISION)
+    acc = _plane_dot(acc, x_6, packed, s, z_biased, 6, UPCAST, PRECISION)
+    return _plane_dot(acc, x_7, packed, s, z_biased, 7, UPCAST, PRECISION)
+
+
 @triton.jit(do_not_specialize=["M", "M_BUCKET", "SPLIT_K"])
 def _int4_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, c_ptr, bias_ptr, M, N, K, M_BUCKET,
                       stride_xm, stride_qk, stride_sg, stride_zg, stride_cm, SPLIT_K,
@@ -98,26 +121,11 @@ def _int4_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, c_ptr, bias_ptr, M, N, K, M_B
         r_mask = rows < packed_rows
         packed = tl.load(qw_ptr + rows[:, None] * stride_qk + offs_n[None, :],
                          mask=r_mask[:, None] & n_mask[None, :], other=0)  # [BLOCK_K/8, BLOCK_N]
-        s, z_biased = _group_params(s_ptr, z_ptr, k0, rows, offs_n, n_mask, r_mask, GROUP, BLOCK_K,
+        s, z_biased = group_params(s_ptr, z_ptr, k0, rows, offs_n, n_mask, r_mask, GROUP, BLOCK_K,
                                     stride_sg, stride_zg)
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
-        # the eight column planes x[:, k0 + 8r + j], j = 4a + 2b + c: split c, then b, then a
-        x_c0, x_c1 = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 8, 2, 2, 2]))
-        x_b00, x_b01 = tl.split(x_c0)
-        x_b10, x_b11 = tl.split(x_c1)
-        x_0, x_4 = tl.split(x_b00)
-        x_2, x_6 = tl.split(x_b01)
-        x_1, x_5 = tl.split(x_b10)
-        x_3, x_7 = tl.split(x_b11)
-        acc = _plane_dot(acc, x_0, packed, s, z_biased, 0, UPCAST, PRECISION)
-        acc = _plane_dot(acc, x_1, packed, s, z_biased, 1, UPCAST, PRECISION)
-        acc = _plane_dot(acc, x_2, packed, s, z_biased, 2, UPCAST, PRECISION)
-        acc = _plane_dot(acc, x_3, packed, s, z_biased, 3, UPCAST, PRECISION)
-        acc = _plane_dot(acc, x_4, packed, s, z_biased, 4, UPCAST, PRECISION)
-        acc = _plane_dot(acc, x_5, packed, s, z_biased, 5, UPCAST, PRECISION)
-        acc = _plane_dot(acc, x_6, packed, s, z_biased, 6, UPCAST, PRECISION)
-        acc = _plane_dot(acc, x_7, packed, s, z_biased, 7, UPCAST, PRECISION)
+        acc = packed_tile_dot(acc, x, packed, s, z_biased, BLOCK_M, BLOCK_K, UPCAST, PRECISION)
     if HAS_BIAS:
         if pid_k == 0:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -139,7 +147,7 @@ def _int4_dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, K, N, stride_qk, stride_
     n_mask = offs_n < N
     mask = r_mask[:, None] & n_mask[None, :]
     packed = tl.load(qw_ptr + rows[:, None] * stride_qk + offs_n[None, :], mask=mask, other=0)
-    s, z_biased = _group_params(s_ptr, z_ptr, k0, rows, offs_n, n_mask, r_mask, GROUP, BLOCK_K, stride_sg, stride_zg)
+    s, z_biased = group_params(s_ptr, z_ptr, k0, rows, offs_n, n_mask, r_mask, GROUP, BLOCK_K, stride_sg, stride_zg)
     out_rows = out_ptr + (rows * 8)[:, None] * stride_ok + offs_n[None, :]
     for j in tl.static_range(8):  # input row 8r + j of each word row r: coalesced along N
         w_j = _nibble_plane(packed, s, z_biased, j, INTERPRET)

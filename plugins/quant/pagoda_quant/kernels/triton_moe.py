@@ -11,7 +11,8 @@
    written per pair; 4. the K pairs of each token are summed.
 
 Weight formats (``FORMAT``): 0 FP8 per-channel (w [E, N, K], s [E, N]); 1 FP8 block (s [E,
-N/bn, K/bk]); 2 INT4 in pagoda's kernel layout (qweight [E, K/8, N], scales/zeros [E, K/G, N]).
+N/bn, K/bk]); 2 INT4 in pagoda's kernel layout (qweight [E, K/8, N], scales/zeros [E, K/G, N]),
+multiplied as in triton_int4 (each packed word loaded once, eight nibble-plane dots; BLOCK_K 128).
 """
 
 from __future__ import annotations
@@ -21,21 +22,17 @@ import triton
 import triton.language as tl
 
 from pagoda_quant.kernels._triton import interpreting
+from pagoda_quant.kernels.triton_int4 import group_params, packed_tile_dot
+
+INT4 = 2  # FORMAT of pagoda's INT4 kernel layout (see the module docstring)
 
 
 @triton.jit
 def _w_tile(w_ptr, s_ptr, z_ptr, expert, n, k, N, K, stride_we, stride_wa, stride_se, stride_sa,
-            FORMAT: tl.constexpr, BLOCK_SN, BLOCK_SK, GROUP):
-    """Dequantized float32 W^T tile [len(k), len(n)] of one expert (n: outputs, k: inputs)."""
+            FORMAT: tl.constexpr, BLOCK_SN, BLOCK_SK):
+    """Dequantized float32 W^T tile [len(k), len(n)] of one FP8 expert (n: outputs, k: inputs)."""
     mask = (k[:, None] < K) & (n[None, :] < N)
     e = expert.to(tl.int64)
-    if FORMAT == 2:  # int4: qweight [E, K/8, N]; scales/zeros [E, K/G, N] share strides
-        packed = tl.load(w_ptr + e * stride_we + (k[:, None] // 8) * stride_wa + n[None, :], mask=mask, other=0)
-        q = ((packed >> ((k[:, None] % 8) * 4)) & 0xF).to(tl.float32)
-        g = k // GROUP
-        s = tl.load(s_ptr + e * stride_se + g[:, None] * stride_sa + n[None, :], mask=mask, other=0.0)
-        z = tl.load(z_ptr + e * stride_se + g[:, None] * stride_sa + n[None, :], mask=mask, other=0.0)
-        return (q - z.to(tl.float32)) * s.to(tl.float32)
     w = tl.load(w_ptr + e * stride_we + n[None, :].to(tl.int64) * stride_wa + k[:, None], mask=mask,
                 other=0.0).to(tl.float32)
     if FORMAT == 0:  # per output channel: s [E, N]
@@ -47,9 +44,28 @@ def _w_tile(w_ptr, s_ptr, z_ptr, expert, n, k, N, K, stride_we, stride_wa, strid
 
 
 @triton.jit
+def _int4_expert_dot(acc, a, w_ptr, s_ptr, z_ptr, expert, n, k0, N, K, stride_we, stride_wa, stride_se, stride_sa,
+                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ W^T[k0:k0+BLOCK_K, n] of one INT4 expert (qweight [E, K/8, N]; scales/zeros
+    [E, K/G, N] share strides): the packed tile loaded once, eight nibble-plane dots."""
+    e = expert.to(tl.int64)
+    rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    r_mask = rows < K // 8
+    n_mask = n < N
+    packed = tl.load(w_ptr + e * stride_we + rows[:, None] * stride_wa + n[None, :],
+                     mask=r_mask[:, None] & n_mask[None, :], other=0)
+    s, z_biased = group_params(s_ptr + e * stride_se, z_ptr + e * stride_se, k0, rows, n, n_mask, r_mask, GROUP,
+                               BLOCK_K, stride_sa, stride_sa)
+    if a.dtype == tl.float32:  # float32 activations: no TF32 rounding
+        return packed_tile_dot(acc, a, packed, s, z_biased, BLOCK_M, BLOCK_K, UPCAST, "ieee")
+    return packed_tile_dot(acc, a, packed, s, z_biased, BLOCK_M, BLOCK_K, UPCAST, "tf32")
+
+
+@triton.jit
 def _gate_up_kernel(h_ptr, stride_ht, w_ptr, s_ptr, z_ptr, stride_we, stride_wa, stride_se, stride_sa,
                     out_ptr, stride_ot, pairs_ptr, block_expert_ptr, num_pairs, num_experts, H, inner,
-                    BLOCK_SN, BLOCK_SK, GROUP, TOPK: tl.constexpr, FORMAT: tl.constexpr, ACT: tl.constexpr,
+                    BLOCK_SN, BLOCK_SK, GROUP: tl.constexpr, TOPK: tl.constexpr, FORMAT: tl.constexpr,
+                    ACT: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -67,17 +83,23 @@ def _gate_up_kernel(h_ptr, stride_ht, w_ptr, s_ptr, z_ptr, stride_we, stride_wa,
         k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(h_ptr + token[:, None] * stride_ht + k[None, :], mask=rmask[:, None] & (k[None, :] < H),
                     other=0.0)
-        wg = _w_tile(w_ptr, s_ptr, z_ptr, expert, n, k, inner, H, stride_we, stride_wa, stride_se, stride_sa,
-                     FORMAT, BLOCK_SN, BLOCK_SK, GROUP).to(dtype)
         # up rows follow the gate rows; a column past the gate's end lands past 2 * inner: masked
-        wu = _w_tile(w_ptr, s_ptr, z_ptr, expert, inner + n, k, 2 * inner, H, stride_we, stride_wa, stride_se,
-                     stride_sa, FORMAT, BLOCK_SN, BLOCK_SK, GROUP).to(dtype)
-        if UPCAST:
-            a = a.to(tl.float32)
-            wg = wg.to(tl.float32)
-            wu = wu.to(tl.float32)
-        acc_gate += tl.dot(a, wg)
-        acc_up += tl.dot(a, wu)
+        if FORMAT == 2:
+            acc_gate = _int4_expert_dot(acc_gate, a, w_ptr, s_ptr, z_ptr, expert, n, k0, inner, H, stride_we,
+                                        stride_wa, stride_se, stride_sa, GROUP, BLOCK_M, BLOCK_K, UPCAST)
+            acc_up = _int4_expert_dot(acc_up, a, w_ptr, s_ptr, z_ptr, expert, inner + n, k0, 2 * inner, H,
+                                      stride_we, stride_wa, stride_se, stride_sa, GROUP, BLOCK_M, BLOCK_K, UPCAST)
+        else:
+            wg = _w_tile(w_ptr, s_ptr, z_ptr, expert, n, k, inner, H, stride_we, stride_wa, stride_se, stride_sa,
+                         FORMAT, BLOCK_SN, BLOCK_SK).to(dtype)
+            wu = _w_tile(w_ptr, s_ptr, z_ptr, expert, inner + n, k, 2 * inner, H, stride_we, stride_wa, stride_se,
+                         stride_sa, FORMAT, BLOCK_SN, BLOCK_SK).to(dtype)
+            if UPCAST:
+                a = a.to(tl.float32)
+                wg = wg.to(tl.float32)
+                wu = wu.to(tl.float32)
+            acc_gate += tl.dot(a, wg)
+            acc_up += tl.dot(a, wu)
     gate = acc_gate.to(dtype).to(tl.float32)
     up = acc_up.to(dtype).to(tl.float32)
     if ACT == "silu":
@@ -93,7 +115,8 @@ def _gate_up_kernel(h_ptr, stride_ht, w_ptr, s_ptr, z_ptr, stride_we, stride_wa,
 @triton.jit
 def _down_kernel(x_ptr, stride_xt, w_ptr, s_ptr, z_ptr, stride_we, stride_wa, stride_se, stride_sa,
                  out_ptr, stride_ot, pairs_ptr, block_expert_ptr, weights_ptr, num_pairs, num_experts, H, inner,
-                 BLOCK_SN, BLOCK_SK, GROUP, FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_SN, BLOCK_SK, GROUP: tl.constexpr, FORMAT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -109,12 +132,16 @@ def _down_kernel(x_ptr, stride_xt, w_ptr, s_ptr, z_ptr, stride_we, stride_wa, st
         k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xt + k[None, :],
                     mask=rmask[:, None] & (k[None, :] < inner), other=0.0)
-        w = _w_tile(w_ptr, s_ptr, z_ptr, expert, n, k, H, inner, stride_we, stride_wa, stride_se, stride_sa,
-                    FORMAT, BLOCK_SN, BLOCK_SK, GROUP).to(dtype)
-        if UPCAST:
-            a = a.to(tl.float32)
-            w = w.to(tl.float32)
-        acc += tl.dot(a, w)
+        if FORMAT == 2:
+            acc = _int4_expert_dot(acc, a, w_ptr, s_ptr, z_ptr, expert, n, k0, H, inner, stride_we, stride_wa,
+                                   stride_se, stride_sa, GROUP, BLOCK_M, BLOCK_K, UPCAST)
+        else:
+            w = _w_tile(w_ptr, s_ptr, z_ptr, expert, n, k, H, inner, stride_we, stride_wa, stride_se, stride_sa,
+                        FORMAT, BLOCK_SN, BLOCK_SK).to(dtype)
+            if UPCAST:
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            acc += tl.dot(a, w)
     route = tl.load(weights_ptr + pair, mask=rmask, other=0.0).to(dtype).to(tl.float32)
     y = acc.to(dtype).to(tl.float32) * route[:, None]
     mask = rmask[:, None] & (n[None, :] < H)
@@ -161,21 +188,28 @@ def fused_moe_quant(hidden: torch.Tensor, w13, w2, topk_weights: torch.Tensor, t
     h = hidden.shape[-1]
     num_experts = w13.num_experts
     inner = w2.in_features
+    f13, wt13, s13, z13, swe, swa, sse, ssa, bn, bk, g13 = _weight_args(w13)
+    f2, wt2, s2, z2, swe2, swa2, sse2, ssa2, bn2, bk2, g2 = _weight_args(w2)
+    if (f13 == INT4 and g13 % 8) or (f2 == INT4 and g2 % 8):  # a group inside a packed word: dequantize
+        from pagoda.kernels import get_op
+
+        return get_op("fused_moe")(hidden, w13.dequantize_all(hidden.dtype), w2.dequantize_all(hidden.dtype),
+                                   topk_weights, topk_ids, activation)
     block_m = 16 if t * topk < 32 * num_experts else 64  # few rows per expert: less padding
-    block_n, block_k = 64, 64
+    block_n = 64
     pairs, block_expert, num_pairs = align(topk_ids, num_experts, block_m)
     up = torch.empty((pairs.numel(), inner), dtype=hidden.dtype, device=hidden.device)
     upcast = interpreting()
-    f13, wt13, s13, z13, swe, swa, sse, ssa, bn, bk, g13 = _weight_args(w13)
+    block_k = 128 if f13 == INT4 else 64  # INT4: 16 packed rows, the depth of one nibble-plane dot
     grid = (block_expert.numel(), triton.cdiv(inner, block_n))
     _gate_up_kernel[grid](hidden, hidden.stride(0), wt13, s13, z13, swe, swa, sse, ssa, up, up.stride(0), pairs,
                           block_expert, num_pairs, num_experts, h, inner, bn, bk, g13, TOPK=topk, FORMAT=f13,
                           ACT=activation, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast,
                           num_warps=4)
     out = torch.zeros((num_pairs, h), dtype=hidden.dtype, device=hidden.device)
-    f2, wt2, s2, z2, swe, swa, sse, ssa, bn, bk, g2 = _weight_args(w2)
+    block_k = 128 if f2 == INT4 else 64
     grid = (block_expert.numel(), triton.cdiv(h, block_n))
-    _down_kernel[grid](up, up.stride(0), wt2, s2, z2, swe, swa, sse, ssa, out, out.stride(0), pairs, block_expert,
-                       topk_weights.reshape(-1).contiguous(), num_pairs, num_experts, h, inner, bn, bk, g2,
+    _down_kernel[grid](up, up.stride(0), wt2, s2, z2, swe2, swa2, sse2, ssa2, out, out.stride(0), pairs, block_expert,
+                       topk_weights.reshape(-1).contiguous(), num_pairs, num_experts, h, inner, bn2, bk2, g2,
                        FORMAT=f2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, num_warps=4)
     return out.view(t, topk, h).sum(dim=1)
