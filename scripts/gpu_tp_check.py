@@ -85,6 +85,7 @@ def check_shape(name: str, layers: int, args, out_dir: Path) -> list[dict]:
     rows = []
     for dtype in args.dtypes.split(","):
         ref, ref_s = _generate(path, prompts, args, dtype)
+        print(f"  {dtype:9s} tp1 generated in {ref_s:.1f} s", flush=True)
         for mode, parallel in modes:
             got, seconds = _generate(path, prompts, args, dtype, **parallel)
             prefixes = [_common_prefix(a, b) for a, b in zip(ref, got)]

@@ -201,11 +201,16 @@ def tuned_table(device: torch.device) -> dict:
 
 
 def moe_config(num_pairs: int, num_experts: int, hidden: int = 0, inner: int = 0,
-               device: torch.device | None = None) -> tuple[int, int, int, int, int]:
+               device: torch.device | None = None,
+               dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): a tuned entry for this shape and
     GPU when there is one (the first measured load at or above this one), else by the mean
-    pairs per expert."""
+    pairs per expert. float32 (exact IEEE products, a check mode) takes small tiles: the
+    tuned 16-bit tiles as IEEE float32 products take minutes to compile and overflow shared
+    memory."""
     per_expert = num_pairs / max(1, num_experts)
+    if dtype == torch.float32:
+        return (16 if per_expert <= 16 else 32), 64, 32, 4, 2
     entries = tuned_table(device).get(shape_key(num_experts, hidden, inner)) if device is not None else None
     if entries:
         for load, config in sorted(entries):
@@ -240,7 +245,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     w2 = w2 if w2.is_contiguous() else w2.contiguous()
     num_pairs = t * topk
     block_m, block_n, block_k, num_warps, num_stages = config or moe_config(num_pairs, num_experts, h, inner,
-                                                                            hidden.device)
+                                                                            hidden.device, hidden.dtype)
     block_k = min(block_k, max(16, next_pow2(min(h, inner))))
     pairs, block_expert, max_blocks = align(topk_ids, num_experts, block_m)
     upcast = interpreting()
