@@ -109,6 +109,21 @@ def test_int4_gemm_matches_reference(case, dtype):
     torch.testing.assert_close(got.float(), want, **tol)
 
 
+def test_split_k_leaves_its_workspace_clean_for_the_next_call():
+    """The last split of each tile zeroes the workspace and the counters it used: a second call (and
+    one of another shape) sums from zero again."""
+    m, n, k = 5, 80, 512
+    for group, split in ((128, 4), (64, 3)):
+        qweight, scales, zeros = _int4_weight(n, k, group, torch.float32)
+        x = torch.randn(m, k, device=DEVICE)
+        want = ref.int4_linear(x, qweight, scales, zeros)
+        for _ in range(2):
+            got = triton_int4.int4_gemm(x, qweight, scales, zeros, None, split_k=split)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+        ws, counts = triton_int4.split_workspace(x.device, m, n)
+        assert not ws.any() and not counts.any()
+
+
 def test_int4_gemm_default_configuration_and_odd_group():
     """The configuration a caller gets (no override), and a group of 4 (a group boundary inside a
     packed word), which falls back to dequantize + matmul."""

@@ -18,7 +18,10 @@ ORs the nibble into the mantissa of 2^23 (exact, no I2F instruction) and subtrac
 
 Parallelism at decode shapes comes from split-K: SPLIT_K programs share an output tile,
 each summing every SPLIT_K-th K tile, and add their float32 partials atomically into a
-zeroed buffer (the bias by the first split); one cast to the activation dtype follows. On a
+workspace (the bias by the first split); the last split to arrive (a per-tile counter) reads
+the sum, writes the output in the activation dtype and zeroes the workspace and the counter
+again. One launch per linear: no zero-fill and cast kernels around it, which at decode
+sizes cost as much as the GEMM. On a
 GPU the tile shapes, SPLIT_K, warps and stages are autotuned per (N, K, M bucket, group),
 on the first call of a shape — in the engine that is the eager warm-up before a decode
 graph is captured, never inside a capture. The interpreter runs one fixed configuration.
@@ -100,7 +103,7 @@ def packed_tile_dot(acc, x, packed, s, z_biased, BLOCK_M: tl.constexpr, BLOCK_K:
 
 
 @triton.jit(do_not_specialize=["M", "M_BUCKET", "SPLIT_K"])
-def _int4_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, c_ptr, bias_ptr, M, N, K, M_BUCKET,
+def _int4_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, c_ptr, ws_ptr, count_ptr, bias_ptr, M, N, K, M_BUCKET,
                       stride_xm, stride_qk, stride_sg, stride_zg, stride_cm, SPLIT_K,
                       GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr, UPCAST: tl.constexpr,
                       PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -132,7 +135,19 @@ def _int4_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, c_ptr, bias_ptr, M, N, K, M_B
     mask = m_mask[:, None] & n_mask[None, :]
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
     if ATOMIC:
-        tl.atomic_add(c_ptrs, acc, mask=mask, sem="relaxed")  # a commutative sum: no ordering needed
+        # float32 partials summed in the workspace; the last split of the tile to arrive writes
+        # the output and leaves the workspace and its counter at zero for the next call
+        ws_ptrs = ws_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+        tl.atomic_add(ws_ptrs, acc, mask=mask, sem="relaxed")  # a commutative sum: no ordering needed
+        tl.debug_barrier()  # every thread's partial is issued before the counter says this split is done
+        tile = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            # read where the atomics summed (L2), not through a possibly stale L1 line
+            total = tl.atomic_add(ws_ptrs, tl.zeros_like(acc), mask=mask, sem="acquire")
+            tl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=mask)
+            tl.store(ws_ptrs, tl.zeros_like(acc), mask=mask)  # seen by the next launch (a kernel boundary)
+            tl.store(count_ptr + tile, 0)
     else:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
@@ -209,6 +224,7 @@ def graph_bench(kernel_call, quantiles):
     from triton.testing import do_bench_cudagraph
 
     flush = torch.empty(32 << 20, dtype=torch.int32, device="cuda")  # 128 MB, over twice the L2
+    torch.cuda.synchronize()  # kernels still running on other streams share the split-K workspace
 
     def flushed_call():
         flush.zero_()
@@ -222,7 +238,7 @@ def graph_bench(kernel_call, quantiles):
 
 _TUNE_CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
                  for bm, bases in _TUNE_BASES.items() for bn, bk, w, s in bases]
-_int4_gemm_tuned = triton.autotune(_TUNE_CONFIGS, key=["N", "K", "M_BUCKET", "GROUP"], reset_to_zero=["c_ptr"],
+_int4_gemm_tuned = triton.autotune(_TUNE_CONFIGS, key=["N", "K", "M_BUCKET", "GROUP"],
                                    prune_configs_by={"early_config_prune": _expand_splits},
                                    do_bench=graph_bench, cache_results=True)(_int4_gemm_kernel)
 
@@ -235,6 +251,24 @@ def _fixed_config(m: int, n: int, k: int, device: torch.device) -> tuple[int, in
     bm = m_bucket(m)
     bn, bk, warps, stages = (64, 128, 4, 4) if bm == 16 else (128, 128, 8, 3)
     return bm, bn, bk, split_for(m, n, k, bm, bn, bk, _num_sms(device.index or 0)), warps, stages
+
+
+# device -> every (float32 workspace, int32 tile counters) made, the last the largest. The kernel
+# leaves them zero; none is freed, because captured graphs hold their addresses.
+_SPLIT_WORKSPACES: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+def split_workspace(device: torch.device, m: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed buffers for split-K sums of an [m, n] output (any tile of at least 16 x 16)."""
+    need_ws, need_count = m * n, triton.cdiv(m, 16) * triton.cdiv(n, 16)
+    held = _SPLIT_WORKSPACES.setdefault(device, [])
+    if held and held[-1][0].numel() >= need_ws and held[-1][1].numel() >= need_count:
+        return held[-1]
+    size_ws = max(need_ws, 2 * held[-1][0].numel() if held else 0)
+    size_count = max(need_count, 2 * held[-1][1].numel() if held else 0)
+    held.append((torch.zeros(size_ws, dtype=torch.float32, device=device),
+                 torch.zeros(size_count, dtype=torch.int32, device=device)))
+    return held[-1]
 
 
 def _autotune() -> bool:
@@ -258,28 +292,27 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         return torch.nn.functional.linear(x, int4_dequantize(qweight, scales, zeros).to(x.dtype).t(), bias)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 activations: no TF32 rounding
     args = (x, qweight, scales, zeros)
+    c = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    ws, counts = split_workspace(x.device, m, n)
+    bias_arg = bias if bias is not None else c
     if split_k is None and blocks is None and _autotune():
-        c = torch.zeros((m, n), dtype=torch.float32, device=x.device)
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]),  # noqa: E731
                              meta["SPLIT_K"])
-        _int4_gemm_tuned[grid](*args, c, bias if bias is not None else c, m, n, k, m_bucket(m),
+        _int4_gemm_tuned[grid](*args, c, ws, counts, bias_arg, m, n, k, m_bucket(m),
                                x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), c.stride(0),
                                GROUP=group, HAS_BIAS=bias is not None, ATOMIC=True, UPCAST=False, PRECISION=precision)
-        return c.to(x.dtype)
+        return c
     block_m, block_n, block_k, split, warps, stages = _fixed_config(m, n, k, x.device)
     if blocks is not None:
         block_m, block_n, block_k = blocks
     split = split if split_k is None else split_k
-    atomic = split > 1
-    c = torch.zeros((m, n), dtype=torch.float32, device=x.device) if atomic else \
-        torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
-    _int4_gemm_kernel[grid](*args, c, bias if bias is not None else c, m, n, k, m_bucket(m),
+    _int4_gemm_kernel[grid](*args, c, ws, counts, bias_arg, m, n, k, m_bucket(m),
                             x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), c.stride(0), split,
-                            GROUP=group, HAS_BIAS=bias is not None, ATOMIC=atomic, UPCAST=interpreting(),
+                            GROUP=group, HAS_BIAS=bias is not None, ATOMIC=split > 1, UPCAST=interpreting(),
                             PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                             num_warps=warps, num_stages=stages)
-    return c.to(x.dtype) if atomic else c
+    return c
 
 
 def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
