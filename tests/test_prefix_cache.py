@@ -47,6 +47,22 @@ def test_repeated_system_prompt_is_not_recomputed(checkpoint):
     engine.engine.block_manager.check_invariants()
 
 
+def test_siblings_of_a_request_compute_the_prompt_once(checkpoint):
+    """n > 1: the first sample computes the prompt; its siblings wait one step and read the prompt's full
+    blocks from the cache (only the partial last block is computed again); outputs do not change."""
+    prompt = random_prompts(1, VOCAB, 35, 35, seed=9)[0]  # 4 full blocks of 8 and 3 tokens
+    other = random_prompts(1, VOCAB, 12, 12, seed=10)[0]
+    params = [SamplingParams(temperature=0.9, seed=4, n=4, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)]
+    with_cache, without = llm(checkpoint, True), llm(checkpoint, False)
+    got, want = with_cache.generate([prompt, other], params), without.generate([prompt, other], params)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
+    assert with_cache.get_stats()["prefill_tokens_computed"] == 35 + 3 * 3 + 12
+    assert without.get_stats()["prefill_tokens_computed"] == 4 * 35 + 12
+    assert [o.num_cached_tokens for o in got] == [0, 0]  # the first sibling's; the others read 32
+    with_cache.engine.block_manager.check_invariants()
+
+
 def _run_mixed(engine: LLM, prompts: list[list[int]]):
     """Sequential waves (later ones hit the cache), then everything at once with sampling."""
     results = []

@@ -133,8 +133,16 @@ class Scheduler:
 
         # Waiting sequences, first come first served, while budget, seats and blocks last. Not in a
         # step that had to preempt: a sequence admitted now would only be preempted again.
+        prefilling = None  # requests with a sequence computing its prompt (built on first need)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
+            if self._shares_prompt_with_sibling(seq):
+                if prefilling is None:
+                    prefilling = {s.request_id for s in self.running if s.num_computed_tokens < s.num_prompt_tokens}
+                if seq.request_id in prefilling:
+                    # a sibling (n > 1) is computing this prompt: admitted next step, it reads the prompt's
+                    # full blocks from the prefix cache instead of computing them a second time
+                    break
             if not self.bm.allocate_slots(seq, min(seq.num_tokens - seq.num_computed_tokens, budget)):
                 break
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)  # after any cached prefix
@@ -144,6 +152,8 @@ class Scheduler:
             scheduled_ids.add(seq.seq_id)
             prefills.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens + num_new == seq.num_tokens))
             budget -= num_new
+            if prefilling is not None:
+                prefilling.add(seq.request_id)
 
         out.scheduled = decodes + prefills
         out.num_decodes = len(decodes)
@@ -151,6 +161,12 @@ class Scheduler:
         self.stats.num_steps += 1
         self.stats.num_prefill_tokens += sum(_prefill_tokens(item) for item in out.scheduled)
         return out
+
+    def _shares_prompt_with_sibling(self, seq: Sequence) -> bool:
+        """Whether ``seq`` could read its prompt from a sibling's cached blocks: prefix caching on,
+        a fresh sequence of a request with n > 1, a prompt of at least one full block."""
+        return (self.bm.enable_prefix_caching and seq.params.n > 1 and seq.num_computed_tokens == 0
+                and seq.num_prompt_tokens >= self.bm.block_size)
 
     # ------------------------------------------------------------------ after the model ran
     def update(self, out: SchedulerOutput, sampled: dict[int, int], eos_token_ids: set[int],
