@@ -52,11 +52,29 @@ def _tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    path = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"), seed=1, tokenizer=True, **LLAMA)
+_LIVE_TP_ENGINES: list[LLM] = []
+
+
+def _tp2_engine(path) -> LLM:
+    """A TP=2 engine, after shutting down the module's previous one: a process holds one tensor-parallel
+    engine at a time, and module-scoped fixtures live until the module ends (so that ``-k`` may select
+    tests of both fixtures)."""
+    while _LIVE_TP_ENGINES:
+        _LIVE_TP_ENGINES.pop().shutdown()
     llm = LLM(model=str(path), tensor_parallel_size=2, **ENGINE)
-    yield path, llm
+    _LIVE_TP_ENGINES.append(llm)
+    return llm
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory):
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"), seed=1, tokenizer=True, **LLAMA)
+
+
+@pytest.fixture(scope="module")
+def llama(llama_path):
+    llm = _tp2_engine(llama_path)
+    yield llama_path, llm
     llm.shutdown()
 
 
@@ -97,8 +115,8 @@ def test_tp2_rank0_holds_half_of_each_sharded_weight(llama):
     assert llm.engine.runner.spec_summary()[0].num_kv_heads == 1
 
 
-def test_torchrun_generate_matches_one_process(llama, tmp_path):
-    path, _ = llama
+def test_torchrun_generate_matches_one_process(llama_path, tmp_path):
+    path = llama_path
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
     assert torchrun, "torchrun ships with torch"
     prompts = ["hello there", "tensor parallel"]
@@ -130,7 +148,7 @@ def test_killed_worker_stops_the_engine_with_a_clear_error(llama):
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
     path = make_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("qwen3"), seed=4, tokenizer=True, **QWEN3)
-    llm = LLM(model=str(path), tensor_parallel_size=2, **ENGINE)
+    llm = _tp2_engine(path)
     yield path, llm
     llm.shutdown()
 
