@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
+from collections.abc import Iterator
 
 from pagoda.sequence import Sequence
 
@@ -56,17 +57,16 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ------------------------------------------------------------------ prefix cache
-    def _block_keys(self, seq: Sequence, start: int, end: int) -> list[tuple[tuple, int]]:
-        """(cache key, hash) of full blocks ``start..end-1`` of ``seq``; blocks before
-        ``start`` must already be hashed in ``seq.block_hashes``."""
-        out = []
+    def _block_keys(self, seq: Sequence, start: int, end: int) -> Iterator[tuple[tuple, int]]:
+        """(cache key, hash) of full blocks ``start..end-1`` of ``seq``, one at a time (a lookup
+        stops hashing at its first miss); blocks before ``start`` must already be hashed in
+        ``seq.block_hashes``."""
         parent = seq.block_hashes[start - 1] if start > 0 else NO_PARENT
         bs = self.block_size
         for i in range(start, end):
             key = (parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
             parent = chain_hash(*key)
-            out.append((key, parent))
-        return out
+            yield key, parent
 
     def _take_cached_prefix(self, seq: Sequence) -> None:
         """Give a new sequence the longest cached prefix of its tokens (at least one token is

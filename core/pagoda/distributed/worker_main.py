@@ -18,6 +18,7 @@ from typing import Any
 
 from pagoda.distributed.control import ControlChannel, Kind, StepMode
 from pagoda.distributed.step_codec import StepDecoder
+from pagoda.engine.gc_freeze import freeze_startup_objects
 from pagoda.sampler import SampleResult
 
 logger = logging.getLogger("pagoda")
@@ -44,11 +45,15 @@ def serve_rank(runner: Any, channel: ControlChannel) -> None:
     runner.sampler = NoSampling()
     decoder = StepDecoder()
     launched = None  # the last launch_decode's PendingDecode (its tokens feed a step launched ahead)
+    stepping = False
     while True:
         kind, mode, arg, payload = channel.receive()
         if kind is Kind.STOP:
             return
         if kind is Kind.STEP:
+            if not stepping:  # set-up is over (weights, cache, graphs): as rank 0 does
+                freeze_startup_objects()
+                stepping = True
             out, freed = decoder.decode(payload, persistent=mode != StepMode.ALL_LOGITS)
             for seq_id in freed:
                 runner.forget(seq_id)
