@@ -54,6 +54,20 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     return apply(q), apply(k)
 
 
+def qk_norm_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                   k_weight: torch.Tensor, eps: float, head_size: int, cos_sin_cache: torch.Tensor,
+                   is_neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of every head of q [T, nq*hs] and k [T, nk*hs] (weights [hs]; views into a fused
+    projection allowed), then ``rotary_embedding`` -> ([T, nq*hs], [T, nk*hs]) (Qwen3's q/k
+    norms). This fallback composes the platform's own ``rms_norm`` and ``rotary_embedding`` ops."""
+    from pagoda.kernels import get_op
+
+    t = q.shape[0]  # heads as rows of a contiguous 2-D tensor: the form every rms_norm takes
+    qn = get_op("rms_norm")(q.reshape(-1, head_size), q_weight, eps).view(t, -1)
+    kn = get_op("rms_norm")(k.reshape(-1, head_size), k_weight, eps).view(t, -1)
+    return get_op("rotary_embedding")(positions, qn, kn, head_size, cos_sin_cache, is_neox)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2I] -> silu(x[:, :I]) * x[:, I:]."""
     d = x.shape[-1] // 2
@@ -176,6 +190,7 @@ OPS = {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
     "rotary_embedding": rotary_embedding,
+    "qk_norm_rotary": qk_norm_rotary,
     "silu_and_mul": silu_and_mul,
     "gelu_tanh_and_mul": gelu_tanh_and_mul,
     "store_kv_cache": store_kv_cache,

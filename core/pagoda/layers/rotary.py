@@ -140,12 +140,18 @@ class RotaryEmbedding(nn.Module):
         self.attention_scaling = scale
         self.register_buffer("cos_sin_cache", table, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: nn.Module | None = None,
+                k_norm: nn.Module | None = None):
+        """q [T, nq*hs], k [T, nk*hs] -> rotated (q, k). With ``q_norm`` and ``k_norm`` (RMSNorm
+        over head_size, as Qwen3 has), every head is normalised first, in the same op."""
         index = positions
         if self.long_threshold is not None:
             seq_lens = get_forward_context().token_seq_lens
             if seq_lens is not None:
                 index = positions + (seq_lens > self.long_threshold).to(positions.dtype) * self.table_rows
+        if q_norm is not None and k_norm is not None:
+            return get_op("qk_norm_rotary")(index, q, k, q_norm.weight, k_norm.weight, q_norm.eps, self.head_size,
+                                            self.cos_sin_cache, self.is_neox)
         return get_op("rotary_embedding")(index, q, k, self.head_size, self.cos_sin_cache, self.is_neox)
 
 

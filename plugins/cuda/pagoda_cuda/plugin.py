@@ -14,6 +14,7 @@ KERNELS = {
     "rms_norm": "pagoda_cuda.ops.norm:rms_norm",
     "fused_add_rms_norm": "pagoda_cuda.ops.norm:fused_add_rms_norm",
     "rotary_embedding": "pagoda_cuda.ops.rotary:rotary_embedding",
+    "qk_norm_rotary": "pagoda_cuda.ops.rotary:qk_norm_rotary",
     "silu_and_mul": "pagoda_cuda.ops.activation:silu_and_mul",
     "gelu_tanh_and_mul": "pagoda_cuda.ops.activation:gelu_tanh_and_mul",
     "store_kv_cache": "pagoda_cuda.ops.kv_store:store_kv_cache",

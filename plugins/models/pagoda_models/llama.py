@@ -76,12 +76,7 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:
-            t = q.shape[0]
-            # [T, heads, head_dim] views of the fused projection: no copy before the norm
-            q = self.q_norm(q.view(t, self.num_heads, self.head_dim)).view(t, -1)
-            k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim)).view(t, -1)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)  # q/k norms (Qwen3) fused in
         return self.o_proj(self.attn(q, k, v))
 
 
