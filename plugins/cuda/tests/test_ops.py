@@ -74,27 +74,37 @@ def test_rotary(device, neox):
     _rotary_case(device, torch.bfloat16, 3, 3, 1, 24, 16, neox, yarn)  # partial rotary, odd heads
 
 
+def _qk_norm_rotary_case(device, dtype, tokens, nq, nk, hs, rot, neox):
+    """The fused op against the reference RMSNorm of every head, then the reference rotary, on q/k views into
+    a fused projection (rot < hs: the other dims pass through, normalised)."""
+    from pagoda_cuda.ops.rotary import qk_norm_rotary
+
+    gen = torch.Generator().manual_seed(tokens + rot + neox)
+    qkv = (3 * torch.randn(tokens, (nq + 2 * nk) * hs, generator=gen) + 0.5).to(device, dtype)  # rms far from 1
+    q, k = qkv[:, :nq * hs], qkv[:, nq * hs:(nq + nk) * hs]
+    wq = (1 + 0.1 * torch.randn(hs, generator=gen)).to(device, dtype)
+    wk = (1 + 0.1 * torch.randn(hs, generator=gen)).to(device, dtype)
+    cache = get_rope(hs, rot, 4096, None, is_neox_style=neox).cos_sin_cache.to(device)
+    pos = torch.randint(0, 4096, (tokens,), generator=gen).to(device)
+    got_q, got_k = qk_norm_rotary(pos, q, k, wq, wk, 1e-6, hs, cache, neox)
+    qn = ref.rms_norm(q.reshape(-1, hs), wq, 1e-6).view(tokens, -1)
+    kn = ref.rms_norm(k.reshape(-1, hs), wk, 1e-6).view(tokens, -1)
+    want_q, want_k = ref.rotary_embedding(pos, qn, kn, hs, cache, neox)
+    assert got_q.shape == (tokens, nq * hs) and got_k.shape == (tokens, nk * hs) and got_q.dtype == dtype
+    close(got_q, want_q, dtype)
+    close(got_k, want_k, dtype)
+
+
 @pytest.mark.parametrize("neox,rot", [(True, 32), (False, 32), (True, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_qk_norm_rotary_matches_norm_then_rotary(device, neox, rot, dtype):
-    """The fused op equals the reference RMSNorm of every head followed by the reference rotary, on q/k
-    views into a fused projection (4 q heads, 2 kv heads of 32; rot 16: half the dims pass through)."""
-    from pagoda_cuda.ops.rotary import qk_norm_rotary
+    _qk_norm_rotary_case(device, dtype, 7, 4, 2, 32, rot, neox)
 
-    gen = torch.Generator().manual_seed(rot + neox)
-    qkv = (3 * torch.randn(7, (4 + 2 + 2) * 32, generator=gen) + 0.5).to(device, dtype)  # rms far from 1
-    q, k = qkv[:, :128], qkv[:, 128:192]
-    wq = (1 + 0.1 * torch.randn(32, generator=gen)).to(device, dtype)
-    wk = (1 + 0.1 * torch.randn(32, generator=gen)).to(device, dtype)
-    cache = get_rope(32, rot, 64, None, is_neox_style=neox).cos_sin_cache.to(device)
-    pos = torch.tensor([0, 3, 9, 17, 30, 41, 63], device=device)
-    got_q, got_k = qk_norm_rotary(pos, q, k, wq, wk, 1e-6, 32, cache, neox)
-    qn = ref.rms_norm(q.reshape(-1, 32), wq, 1e-6).view(7, -1)
-    kn = ref.rms_norm(k.reshape(-1, 32), wk, 1e-6).view(7, -1)
-    want_q, want_k = ref.rotary_embedding(pos, qn, kn, 32, cache, neox)
-    assert got_q.shape == (7, 128) and got_k.shape == (7, 64) and got_q.dtype == dtype
-    close(got_q, want_q, dtype)
-    close(got_k, want_k, dtype)
+
+@GPU
+def test_qk_norm_rotary_real_shapes(device):
+    _qk_norm_rotary_case(device, torch.bfloat16, 300, 16, 8, 128, 128, True)  # Qwen3-0.6B
+    _qk_norm_rotary_case(device, torch.bfloat16, 300, 32, 4, 128, 128, True)  # Qwen3-30B-A3B
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
