@@ -133,12 +133,14 @@ def run(args) -> int:
 
     from pagoda import LLM, SamplingParams, __version__
     from pagoda.bench.roofline import Ceilings, Workload, measure_ceilings, model_counts, workload_floor
+    from pagoda.engine.gc_freeze import freeze_startup_objects, release_startup_objects
 
     with tempfile.TemporaryDirectory(prefix="pagoda-bench-") as tmp:
         config = _build_config(args, tmp)
         t0 = time.perf_counter()
         llm = LLM(config=config)
         setup_s = time.perf_counter() - t0
+        freeze_startup_objects()  # as pagoda serve does: collections do not scan the engine
         engine = llm.engine
         runner = engine.runner
         hf_config = engine.hf_config
@@ -206,6 +208,7 @@ def run(args) -> int:
         }
         print("\n".join(format_result(result)), flush=True)
         _write(result, args.json_path)
+        release_startup_objects()  # frozen objects are never collected: the engine may go from here
         if args.baseline == "hf":
             from pagoda.bench.hf_baseline import run_hf_baseline
 

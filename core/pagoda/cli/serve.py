@@ -76,6 +76,9 @@ def run(args) -> int:
     except BaseException:
         sock.close()
         raise
+    from pagoda.engine.gc_freeze import freeze_startup_objects
+
+    freeze_startup_objects()  # this process keeps the engine for its whole life
     fe = app.state.frontend
     engine = app.state.async_engine.engine
 

@@ -12,7 +12,6 @@ from pagoda.block_manager import BlockManager
 from pagoda.config import EngineConfig
 from pagoda.detokenizer import Detokenizer, find_stop_string
 from pagoda.distributed.executor import create_executor
-from pagoda.engine.gc_freeze import freeze_startup_objects
 from pagoda.engine.lookahead import DecodeLookahead
 from pagoda.errors import ConfigError, RequestError
 from pagoda.layers.rotary import rope_parameters_of, uses_sequence_length
@@ -81,7 +80,6 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._counter = itertools.count()
         self.times = StepTimes()
-        freeze_startup_objects()
 
     # ------------------------------------------------------------------ setup helpers
     def _max_model_len(self) -> int:
