@@ -134,5 +134,6 @@ class TritonMLAAttention(AttentionBackend):
         tiles = idx["tile_maps"].get(block_m)
         if tiles is None:
             host = idx["build_tile_map"](idx["qsl_host"], 0, block_m)
-            tiles = idx["tile_maps"][block_m] = torch.from_numpy(host).to(q.device)
+            # non-blocking: a blocking copy would wait here, in the first layer, for all queued work
+            tiles = idx["tile_maps"][block_m] = torch.from_numpy(host).to(q.device, non_blocking=True)
         paged_prefill(q, keys, values, idx["tables"], idx["seq_lens"], idx["qsl"], tiles, out, spec.scale)
