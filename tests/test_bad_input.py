@@ -77,6 +77,17 @@ def test_corrupt_safetensors(ckpt, tmp_path):
         LLM(model=variant(ckpt, tmp_path, edit_weights=corrupt), device="cpu", num_kv_blocks=8)
 
 
+def test_corrupt_and_truncated_gguf(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ModelLoadError, match=r"bad.gguf is not a readable GGUF file: no GGUF magic"):
+        LLM(model=str(bad), device="cpu")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (1).to_bytes(8, "little") + (5).to_bytes(8, "little"))
+    with pytest.raises(ModelLoadError, match=r"cut.gguf is not a readable GGUF file"):
+        LLM(model=str(cut), device="cpu")
+
+
 def test_missing_model_path_and_bad_config_values(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
         LLM(model=str(tmp_path / "nope"), device="cpu")

@@ -38,11 +38,11 @@ def open_gguf(path: Path) -> GGUFCheckpoint:
 
 class GGUFCheckpoint:
     def __init__(self, path: Path):
-        import gguf
+        from pagoda.loader.gguf_format import read_gguf
 
         self.path = path
         try:
-            self.reader = gguf.GGUFReader(str(path))
+            self.fields, self.tensors = read_gguf(path)
         except Exception as exc:
             raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
         self.arch = self.field("general.architecture")
@@ -51,17 +51,14 @@ class GGUFCheckpoint:
                                  f"(supported: {', '.join(ARCHITECTURES)})")
 
     def field(self, key: str, default=None):
-        f = self.reader.fields.get(key)
-        if f is None:
-            return default
-        return f.contents()
+        return self.fields.get(key, default)
 
     def arch_field(self, key: str, default=None):
         return self.field(f"{self.arch}.{key}", default)
 
     @cached_property
     def tensor_names(self) -> set[str]:
-        return {t.name for t in self.reader.tensors}
+        return {t.name for t in self.tensors}
 
     def hf_config(self):
         from transformers import AutoConfig
@@ -69,10 +66,10 @@ class GGUFCheckpoint:
         model_type, architecture = ARCHITECTURES[self.arch]
         heads = self.arch_field("attention.head_count")
         hidden = self.arch_field("embedding_length")
-        tokens = self.reader.fields["tokenizer.ggml.tokens"]
+        tokens = self.fields.get("tokenizer.ggml.tokens", [])
         values = dict(
             architectures=[architecture],
-            vocab_size=self.arch_field("vocab_size", len(tokens.data)),
+            vocab_size=self.arch_field("vocab_size", len(tokens)),
             hidden_size=hidden,
             intermediate_size=self.arch_field("feed_forward_length"),
             num_hidden_layers=self.arch_field("block_count"),
@@ -129,7 +126,7 @@ class GGUFCheckpoint:
 
         heads = self.arch_field("attention.head_count")
         kv_heads = self.arch_field("attention.head_count_kv", heads)
-        for t in self.reader.tensors:
+        for t in self.tensors:
             stem, _, kind = t.name.rpartition(".")
             if stem.startswith("blk."):
                 _, layer, base = stem.split(".", 2)
