@@ -9,8 +9,8 @@ Every weight byte is loaded once. A program loads a packed tile [BLOCK_K/8, BLOC
 of int32 words, contiguous along N: coalesced 16-byte loads); word row r holds the eight
 input rows k0 + 8r + j (nibble j). For each j the kernel dequantizes that nibble plane,
 w_j = (q - z) * s in float32 rounded once to the activation dtype (as the reference), and
-multiplies it with the activation columns x[:, k0 + 8r + j] (a strided [BLOCK_M, BLOCK_K/8]
-load from a tiny, cached x): acc += x_j @ w_j on the tensor cores. Scales and zero points
+multiplies it with the activation columns x[:, k0 + 8r + j], split in registers out of one
+contiguous [BLOCK_M, BLOCK_K] activation load: acc += x_j @ w_j on the tensor cores. Scales and zero points
 are read once per tile: one [1, BLOCK_N] row when a group spans the whole tile
 (GROUP % BLOCK_K == 0), else one [BLOCK_K/8, BLOCK_N] load shared by the eight planes
 (GROUP % 8 == 0, so the eight rows of a word share a group). The int -> float conversion
