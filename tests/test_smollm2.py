@@ -62,6 +62,23 @@ def test_fast_gguf_reader_equals_the_gguf_package():
         assert ours.data.dtype == theirs.data.dtype and np.array_equal(ours.data, theirs.data)
 
 
+def test_quantization_gguf_computes_the_q4_1_weights_as_int4(llm):
+    """quantization: gguf keeps the file's Q4_1 linear weights as INT4 (group 32, the file's scales and minimums)
+    instead of dequantizing them: the same logits up to float32 rounding, the same greedy text; the Q8_0 embedding
+    (tied LM head) and the norms are dequantized as before."""
+    quantized = LLM(device="cpu", dtype="float32", max_model_len=512, quantization="gguf")
+    model = quantized.engine.runner.model
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.qweight.dtype == torch.int32 and qkv.qweight.shape == (576 // 8, 576 + 2 * 192)
+    assert qkv.scales.shape == (576 // 32, 960) and not hasattr(qkv, "weight")
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    ids = llm.engine.tokenize("The capital of France is")
+    torch.testing.assert_close(quantized.prompt_logits(ids), llm.prompt_logits(ids), atol=2e-4, rtol=1e-5)
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    assert quantized.generate("The capital of France is", greedy)[0].outputs[0].text == \
+        llm.generate("The capital of France is", greedy)[0].outputs[0].text
+
+
 def test_chat_template_from_gguf_metadata(llm):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=24))[0]

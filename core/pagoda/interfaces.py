@@ -218,6 +218,11 @@ class QuantConfig:
     def kv_cache_dtype(self) -> str | None:
         return None
 
+    # Optional: ``gguf_keeps_raw(name, ggml_type) -> bool``. Where it says True, the GGUF loader
+    # passes tensor ``name`` (HF naming) as its raw block rows, uint8 [rows, bytes per row],
+    # instead of dequantizing it (a method that computes on the file's own blocks).
+    gguf_keeps_raw: Any = None
+
 
 class Quantizer:
     """Registered through ``register_quantizers``; parses settings into a QuantConfig."""

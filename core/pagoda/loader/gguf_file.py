@@ -4,7 +4,7 @@ weights dequantized at load under their HF names (Llama-family architectures).""
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import cached_property
 from pathlib import Path
 
@@ -121,7 +121,11 @@ class GGUFCheckpoint:
         """llama.cpp stores Llama's q/k rows interleaved per rotary pair; undo it."""
         return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
-    def weights(self, sources: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, sources: dict[str, str], keeps_raw: Callable[[str, str], bool] | None = None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) of every weight, dequantized to float32, except where ``keeps_raw(name,
+        GGML type name)`` says the quantization method reads the GGUF blocks itself: then the
+        tensor's raw block rows (uint8 [rows, bytes per row])."""
         import gguf
 
         heads = self.arch_field("attention.head_count")
@@ -137,6 +141,13 @@ class GGUFCheckpoint:
                 name = f"{GLOBAL_TENSORS[stem]}.{kind}"
             else:
                 continue  # e.g. rope_freqs: derived from the config instead
+            if keeps_raw is not None and keeps_raw(name, t.tensor_type.name):
+                data = t.data  # uint8 [rows, bytes]: rows are output channels, as after dequantization
+                if self.arch == "llama" and stem.startswith("blk.") and base in ("attn_q", "attn_k"):
+                    data = self._reverse_permute(data, heads if base == "attn_q" else kv_heads)
+                sources[name] = self.path.name
+                yield name, torch.from_numpy(np.array(data, copy=True))
+                continue
             try:
                 data = gguf.quants.dequantize(t.data, t.tensor_type)
             except Exception as exc:

@@ -60,11 +60,14 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def weight_stream(source: ModelSource) -> WeightStream:
+def weight_stream(source: ModelSource, quant_config: QuantConfig | None = None) -> WeightStream:
     if source.kind == "gguf":
         from pagoda.loader.gguf_file import open_gguf
 
-        return WeightStream(open_gguf(source.path).weights)
+        # a quantization method that computes on GGUF blocks asks for them raw (``gguf_keeps_raw``)
+        keeps_raw = getattr(quant_config, "gguf_keeps_raw", None)  # None: no config, or none asked
+        checkpoint = open_gguf(source.path)
+        return WeightStream(lambda sources: checkpoint.weights(sources, keeps_raw))
     from pagoda.loader.hf import iterate_safetensors, safetensors_files
 
     files = safetensors_files(source.path)
@@ -99,7 +102,7 @@ def build_model(config: EngineConfig, source: ModelSource, hf_config: Any, dtype
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:
-        stream = weight_stream(source)
+        stream = weight_stream(source, quant_config)
         with torch.no_grad():
             loaded = model.load_weights(stream)
         missing = [n for n, _ in model.named_parameters() if n not in loaded]

@@ -131,4 +131,20 @@ class MixedQuantizer(Quantizer):
         return MixedConfig(options)
 
 
-QUANTIZERS = (Fp8Quantizer, Int4Quantizer, GptqQuantizer, AwqQuantizer, MixedQuantizer)
+class GgufQuantizer(Quantizer):
+    name = "gguf"
+    description = "a GGUF file's Q4_1 linear weights computed as INT4 (group 32, its own scales), not dequantized"
+
+    def from_checkpoint(self, cfg: dict) -> QuantConfig:
+        raise ModelLoadError("config.json quantization_config.quant_method 'gguf' is not a checkpoint format; "
+                             "quantization: gguf applies to .gguf files")
+
+    def from_user(self, options: dict) -> QuantConfig:
+        from pagoda_quant.methods.base import options_of
+        from pagoda_quant.methods.gguf import GgufConfig
+
+        options_of(options, {}, "quantization (gguf)")
+        return GgufConfig()
+
+
+QUANTIZERS = (Fp8Quantizer, Int4Quantizer, GptqQuantizer, AwqQuantizer, MixedQuantizer, GgufQuantizer)
