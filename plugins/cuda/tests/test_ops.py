@@ -15,7 +15,7 @@ def close(a, b, dtype, scale=1.0):
     torch.testing.assert_close(a.float(), b.float(), atol=tol["atol"] * scale, rtol=tol["rtol"] * scale)
 
 
-def test_rms_norm_reads_heads_of_a_fused_projection_in_place(device):
+def test_rms_norm_of_a_heads_view_into_a_fused_projection(device):
     from pagoda_cuda.ops.norm import rms_norm
 
     gen = torch.Generator().manual_seed(3)

@@ -15,19 +15,16 @@ from pagoda_cuda._triton import next_pow2
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, x_stride, x_inner_stride, inner, res_ptr, res_stride, w_ptr, out_ptr, out_stride,
-                     sum_ptr, sum_stride, n_rows, H, eps,
+def _rms_norm_kernel(x_ptr, x_stride, res_ptr, res_stride, w_ptr, out_ptr, out_stride, sum_ptr,
+                     sum_stride, n_rows, H, eps,
                      HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
-    # One program normalises BLOCK_R rows of H values (BLOCK_H = next power of two >= H). Row r of
-    # x is at (r // inner) * x_stride + (r % inner) * x_inner_stride: the heads of a q/k slice of a
-    # fused projection ([T, heads, H] view) are read in place.
+    # One program normalises BLOCK_R rows of H values (BLOCK_H = next power of two >= H).
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_H)
     rmask = rows < n_rows
     mask = rmask[:, None] & (cols[None, :] < H)
     rows64 = rows.to(tl.int64)
-    x_rows = (rows64 // inner) * x_stride + (rows64 % inner) * x_inner_stride
-    x = tl.load(x_ptr + x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows64[:, None] * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         r = tl.load(res_ptr + rows64[:, None] * res_stride + cols[None, :], mask=mask, other=0.0)
         s = (x + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
@@ -48,20 +45,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _strided_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
-    """(tensor, outer stride, inner stride, inner count) addressing x's rows without a copy where
-    x is [T, heads, H] with a contiguous last dimension (else a 2-D copy, inner count 1)."""
-    if x.dim() == 3 and x.stride(-1) == 1:
-        return x, x.stride(0), x.stride(1), max(1, x.shape[1])
-    x2 = _rows(x)
-    return x2, x2.stride(0), 0, 1
-
-
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
     shape = x.shape
-    h = shape[-1]
-    x2, x_stride, x_inner_stride, inner = _strided_rows(x) if residual is None else _strided_rows(_rows(x))
-    n = x.numel() // h
+    x2 = _rows(x)
+    n, h = x2.shape
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty((n, h), dtype=out_dtype, device=x.device)
     block_h = next_pow2(h)
@@ -70,12 +57,12 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     num_warps = 4 if block_h <= 2048 else 8 if block_h <= 8192 else 16
     grid = (triton.cdiv(n, block_r),)
     if residual is None:
-        _rms_norm_kernel[grid](x2, x_stride, x_inner_stride, inner, x2, 0, weight, out, out.stride(0), out, 0,
-                               n, h, eps, HAS_RES=False, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps)
+        _rms_norm_kernel[grid](x2, x2.stride(0), x2, 0, weight, out, out.stride(0), out, 0, n, h, eps,
+                               HAS_RES=False, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps)
         return out.view(shape), None
     r2 = _rows(residual)
     summed = torch.empty((n, h), dtype=x.dtype, device=x.device)
-    _rms_norm_kernel[grid](x2, x_stride, 0, 1, r2, r2.stride(0), weight, out, out.stride(0), summed,
+    _rms_norm_kernel[grid](x2, x2.stride(0), r2, r2.stride(0), weight, out, out.stride(0), summed,
                            summed.stride(0), n, h, eps,
                            HAS_RES=True, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps)
     return out.view(shape), summed.view(shape)
