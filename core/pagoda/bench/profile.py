@@ -93,9 +93,7 @@ def profile_decode(llm, prompts: list[list[int]], params, timed_steps: int = 8, 
         batch = len(engine.scheduler.running)
         context = sum(s.num_tokens for s in engine.scheduler.running) / max(1, batch)
         timed = _timed_steps(engine, timed_steps, on_gpu)
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if on_gpu:
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        activities = _activities(on_gpu)
         with torch.profiler.profile(activities=activities) as prof:
             done = len(_timed_steps(engine, profiled_steps, on_gpu))
         graph_table = _kernel_table(prof, max(1, done), on_gpu)
@@ -127,14 +125,16 @@ def profile_decode(llm, prompts: list[list[int]], params, timed_steps: int = 8, 
     }
 
 
+def _activities(on_gpu: bool) -> list:
+    cpu, cuda = torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA
+    return [cpu, cuda] if on_gpu else [cpu]
+
+
 def _profile_prefill_step(engine, on_gpu: bool) -> dict:
     """The first step of the admitted prompts (a full prefill chunk), eager, under the profiler."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if on_gpu:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
     sched = engine.scheduler
     before = sum(s.num_computed_tokens for s in sched.running)
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=_activities(on_gpu)) as prof:
         t0 = time.perf_counter()
         engine.step()
         if on_gpu:

@@ -121,13 +121,21 @@ class GGUFCheckpoint:
         """llama.cpp stores Llama's q/k rows interleaved per rotary pair; undo it."""
         return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
+    def _dequantized(self, t) -> np.ndarray:
+        import gguf
+
+        try:
+            data = gguf.quants.dequantize(t.data, t.tensor_type)
+        except Exception as exc:
+            raise ModelLoadError(f"{self.path}: tensor {t.name!r} of type {t.tensor_type.name} could "
+                                 f"not be dequantized: {exc}") from exc
+        return np.asarray(data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+
     def weights(self, sources: dict[str, str], keeps_raw: Callable[[str, str], bool] | None = None
                 ) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) of every weight, dequantized to float32, except where ``keeps_raw(name,
         GGML type name)`` says the quantization method reads the GGUF blocks itself: then the
         tensor's raw block rows (uint8 [rows, bytes per row])."""
-        import gguf
-
         heads = self.arch_field("attention.head_count")
         kv_heads = self.arch_field("attention.head_count_kv", heads)
         for t in self.tensors:
@@ -143,17 +151,8 @@ class GGUFCheckpoint:
                 continue  # e.g. rope_freqs: derived from the config instead
             if keeps_raw is not None and keeps_raw(name, t.tensor_type.name):
                 data = t.data  # uint8 [rows, bytes]: rows are output channels, as after dequantization
-                if self.arch == "llama" and stem.startswith("blk.") and base in ("attn_q", "attn_k"):
-                    data = self._reverse_permute(data, heads if base == "attn_q" else kv_heads)
-                sources[name] = self.path.name
-                yield name, torch.from_numpy(np.array(data, copy=True))
-                continue
-            try:
-                data = gguf.quants.dequantize(t.data, t.tensor_type)
-            except Exception as exc:
-                raise ModelLoadError(f"{self.path}: tensor {t.name!r} of type {t.tensor_type.name} could "
-                                     f"not be dequantized: {exc}") from exc
-            data = np.asarray(data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+            else:
+                data = self._dequantized(t)
             if self.arch == "llama" and stem.startswith("blk.") and base in ("attn_q", "attn_k"):
                 data = self._reverse_permute(data, heads if base == "attn_q" else kv_heads)
             sources[name] = self.path.name
