@@ -60,24 +60,12 @@ class TritonPagedAttention(AttentionBackend):
             data.num_splits[num_kv_heads] = splits
         return splits
 
-    def _tile_map(self, meta, data: TritonStepData, block_m: int, device):
-        tiles = data.tile_maps.get(block_m)
-        if tiles is None:
-            import torch
-
-            from pagoda_cuda.attention.prefill import build_tile_map
-
-            host = build_tile_map(meta.query_start_loc_cpu, meta.num_decodes, block_m)
-            tiles = torch.from_numpy(host).to(device, non_blocking=True)
-            data.tile_maps[block_m] = tiles
-        return tiles
-
     def forward(self, layer, q, k, v, kv_cache, meta):
         import torch
         from pagoda.layers.attention import is_quantized_kv_cache
 
         from pagoda_cuda.attention.decode import paged_decode
-        from pagoda_cuda.attention.prefill import paged_prefill, prefill_config
+        from pagoda_cuda.attention.prefill import device_tile_map, paged_prefill, prefill_config
         from pagoda_cuda.ops.kv_store import store_kv_cache
 
         spec = layer.spec
@@ -100,7 +88,7 @@ class TritonPagedAttention(AttentionBackend):
         if meta.num_seqs > nd:
             if meta.for_graph:
                 raise RuntimeError("the triton backend captures decode-only batches; this one has prefills")
-            tiles = self._tile_map(meta, data, prefill_config(hs)[0], q.device)
+            tiles = device_tile_map(data.tile_maps, meta.query_start_loc_cpu, nd, prefill_config(hs)[0], q.device)
             paged_prefill(q3, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, tiles,
                           out, spec.scale, spec.sliding_window, spec.logits_soft_cap, kv_scales=scales)
         return out.view(t, nq * hs)

@@ -55,8 +55,6 @@ class TritonMLAAttention(AttentionBackend):
             import numpy as np
             import torch
 
-            from pagoda_cuda.attention.prefill import build_tile_map, prefill_config
-
             nd = meta.num_decodes
             lens = np.asarray(meta.seq_lens_cpu[nd:], dtype=np.int64)
             qsl = np.asarray(meta.query_start_loc_cpu[nd:], dtype=np.int64) - meta.query_start_loc_cpu[nd]
@@ -73,8 +71,7 @@ class TritonMLAAttention(AttentionBackend):
                 "seq_of": dev(seq_of + nd, torch.int64), "pos": dev(pos, torch.int64),
                 "tables": dev(tables, torch.int32), "seq_lens": dev(lens, torch.int32),
                 "qsl": dev(qsl, torch.int32), "total": int(offsets[-1]),
-                "tile_maps": {}, "qsl_host": qsl.tolist(), "build_tile_map": build_tile_map,
-                "prefill_config": prefill_config,
+                "tile_maps": {}, "qsl_host": qsl.tolist(),
             }
         return data.prefill
 
@@ -112,7 +109,7 @@ class TritonMLAAttention(AttentionBackend):
     def _prefill(self, layer, q_nope, q_pe, kv_cache, meta, data, out, w_uk, w_uv, kv_scale=None) -> None:
         import torch
 
-        from pagoda_cuda.attention.prefill import paged_prefill
+        from pagoda_cuda.attention.prefill import device_tile_map, paged_prefill, prefill_config
 
         spec = layer.spec
         lora = spec.kv_lora_rank
@@ -130,10 +127,6 @@ class TritonMLAAttention(AttentionBackend):
         keys[:, 0, :, nope:] = rope.unsqueeze(1)
         values = torch.matmul(latent.unsqueeze(0), w_uv.transpose(1, 2)).transpose(0, 1).unsqueeze(1)
         q = torch.cat((q_nope, q_pe), dim=-1)
-        block_m = idx["prefill_config"](max(keys.shape[-1], values.shape[-1]))[0]
-        tiles = idx["tile_maps"].get(block_m)
-        if tiles is None:
-            host = idx["build_tile_map"](idx["qsl_host"], 0, block_m)
-            # non-blocking: a blocking copy would wait here, in the first layer, for all queued work
-            tiles = idx["tile_maps"][block_m] = torch.from_numpy(host).to(q.device, non_blocking=True)
+        block_m = prefill_config(max(keys.shape[-1], values.shape[-1]))[0]
+        tiles = device_tile_map(idx["tile_maps"], idx["qsl_host"], 0, block_m, q.device)
         paged_prefill(q, keys, values, idx["tables"], idx["seq_lens"], idx["qsl"], tiles, out, spec.scale)

@@ -123,6 +123,17 @@ def prefill_config(head: int) -> tuple[int, int, int, int]:
     return 64, 64, 4, 2
 
 
+def device_tile_map(maps: dict, query_start_loc: list[int], first_seq: int, block_m: int, device) -> torch.Tensor:
+    """The step's tile map for ``block_m`` (``build_tile_map``), built and uploaded on first use and
+    kept in ``maps``. The upload does not block: a blocking copy would wait, inside the first
+    layer, for all the work queued before it."""
+    tiles = maps.get(block_m)
+    if tiles is None:
+        host = build_tile_map(query_start_loc, first_seq, block_m)
+        tiles = maps[block_m] = torch.from_numpy(host).to(device, non_blocking=True)
+    return tiles
+
+
 def build_tile_map(query_start_loc: list[int], first_seq: int, block_m: int) -> np.ndarray:
     """[(sequence index, first query token)] for every BLOCK_M tile of sequences
     ``first_seq..``, as an int32 array [num_tiles, 2]."""
