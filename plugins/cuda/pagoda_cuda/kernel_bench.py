@@ -2,7 +2,7 @@
 
 Each line gives the median time (``triton.testing.do_bench``), the bytes or FLOPs the kernel
 must move or compute, and the rate reached. The decode-attention sweep tries several
-(BLOCK_N, num_warps, num_stages) tiles; ``decode_config`` holds the chosen ones.
+(BLOCK_N, num_warps, num_stages[, heads adjacent]) tiles; ``decode_config`` holds the chosen ones.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ def bench_decode(rows: list, nq: int, nk: int, hd: int, batch: int, ctx: int, sw
         configs += [(cfg, chosen) for cfg in [(64, 4, 2), (128, 4, 2), (64, 4, 4), (128, 4, 3), (32, 4, 3),
                                                (32, 4, 4), (32, 2, 4), (64, 8, 3), (128, 8, 3)]]
         configs += [(cfg, 2 * chosen) for cfg in [(64, 4, 3), (32, 4, 4)]]
+        # the same tiles with the KV heads of a sequence side by side (reading whole pages together)
+        configs += [(cfg[:3] + (not cfg[3],), chosen) for cfg in [configs[0][0]]]
+        configs += [(cfg + (True,), chosen) for cfg in [(32, 4, 4), (32, 2, 4), (128, 4, 2), (64, 4, 2), (64, 8, 3)]]
     for cfg, splits in dict.fromkeys(configs):
         try:
             t = _bench(lambda cfg=cfg, splits=splits: paged_decode(q, cache[0], cache[1], tables, lens, out,
@@ -76,19 +79,24 @@ def bench_prefill(rows: list, nq: int, nk: int, hd: int, seqs: int, length: int,
                      "seconds": t, "TFLOP/s": flops / t / 1e12})
 
 
-def bench_moe(rows: list, tokens: int, hidden: int, inner: int, experts: int, topk: int) -> None:
-    from pagoda_cuda.ops.moe import fused_moe
+def bench_moe(rows: list, tokens: int, hidden: int, inner: int, experts: int, topk: int,
+              groups: tuple[int, ...] = ()) -> None:
+    """The chosen tiles, and the same tiles with each GROUP_M of ``groups`` (1: the plain
+    row-block-major order)."""
+    from pagoda_cuda.ops.moe import fused_moe, moe_config
 
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     w13 = torch.randn(experts, 2 * inner, hidden, device="cuda", dtype=torch.bfloat16) / hidden ** 0.5
     w2 = torch.randn(experts, hidden, inner, device="cuda", dtype=torch.bfloat16) / inner ** 0.5
     weights, ids = torch.softmax(torch.randn(tokens, experts, device="cuda"), -1).topk(topk, dim=-1)
-    t = _bench(lambda: fused_moe(x, w13, w2, weights, ids))
+    chosen = moe_config(tokens * topk, experts, hidden, inner, x.device, x.dtype)
     hit = min(experts, tokens * topk)
     nbytes = hit * 3 * hidden * inner * 2
     flops = tokens * topk * 3 * hidden * inner * 2
-    rows.append({"kernel": "fused moe", "shape": f"T{tokens} H{hidden} I{inner} E{experts} k{topk}", "seconds": t,
-                 "GB/s": nbytes / t / 1e9, "TFLOP/s": flops / t / 1e12})
+    for cfg in dict.fromkeys([chosen] + [chosen[:5] + (g,) for g in groups]):
+        t = _bench(lambda cfg=cfg: fused_moe(x, w13, w2, weights, ids, config=cfg))
+        rows.append({"kernel": "fused moe", "shape": f"T{tokens} H{hidden} I{inner} E{experts} k{topk}",
+                     "config": cfg, "seconds": t, "GB/s": nbytes / t / 1e9, "TFLOP/s": flops / t / 1e12})
 
 
 # MoE shapes of the benchmark models: experts, hidden, expert intermediate, top-k
@@ -194,8 +202,9 @@ def main(argv=None) -> int:
         lambda: bench_decode(rows, 16, 8, 128, 4, 16384, False),  # long context, split
         lambda: bench_prefill(rows, 16, 8, 128, 16, 512, not args.no_sweep),
         lambda: bench_prefill(rows, 32, 32, 96, 16, 512, not args.no_sweep),
-        lambda: bench_moe(rows, 256, 2048, 768, 128, 8),
-        lambda: bench_moe(rows, 4096, 2048, 768, 128, 8),
+        lambda: bench_moe(rows, 256, 2048, 768, 128, 8, (1, 4)),  # qwen3-30b-a3b decode
+        lambda: bench_moe(rows, 8192, 2048, 768, 128, 8, (1, 4, 16)),  # its prefill step
+        lambda: bench_moe(rows, 8192, 7168, 2048, 256, 8, (1, 4, 16)),  # deepseek-v3-4l prefill step
         lambda: bench_small_ops(rows, 256),
     ]
     for step in steps:

@@ -149,7 +149,8 @@ def test_store_kv_cache_fp8_with_scales(device):
     assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
 
 
-def _moe_case(device, dtype, tokens, hidden, inner, experts, topk, activation="silu", with_invalid=False):
+def _moe_case(device, dtype, tokens, hidden, inner, experts, topk, activation="silu", with_invalid=False,
+              config=None):
     from pagoda_cuda.ops.moe import fused_moe
 
     gen = torch.Generator().manual_seed(tokens + experts)
@@ -160,7 +161,7 @@ def _moe_case(device, dtype, tokens, hidden, inner, experts, topk, activation="s
     weights, ids = torch.softmax(logits, -1).topk(topk, dim=-1)
     if with_invalid:  # expert parallelism maps experts held elsewhere to -1
         ids[::3, 0] = -1
-    got = fused_moe(x, w13, w2, weights.to(device), ids.to(device), activation)
+    got = fused_moe(x, w13, w2, weights.to(device), ids.to(device), activation, config=config)
     want = ref.fused_moe(x, w13, w2, weights.to(device), ids.to(device), activation)
     close(got, want, dtype, scale=2.0)
 
@@ -172,6 +173,13 @@ def test_fused_moe(device, dtype):
 
 def test_fused_moe_gelu(device):
     _moe_case(device, torch.float32, 5, 16, 16, 3, 2, activation="gelu_tanh")
+
+
+@pytest.mark.parametrize("group_m", [1, 5])
+def test_fused_moe_grouped_tile_order(device, group_m):
+    # 80 pairs over 4 experts: 9 row blocks (about 8 used) x 2 column tiles per projection;
+    # with GROUP_M 5 the second group is short and holds used blocks
+    _moe_case(device, torch.float32, 40, 32, 24, 4, 2, config=(16, 16, 16, 4, 2, group_m))
 
 
 # ----------------------------------------------------------------------------- real shapes (GPU)

@@ -5,7 +5,10 @@ per projection, routing weights applied, the top-k results summed.
    and pad each expert's run to a multiple of BLOCK_M; every BLOCK_M block of the sorted list
    belongs to one expert (``block_expert``; E for blocks past the end).
 2. gate/up: one launch; each program multiplies BLOCK_M gathered token rows by BLOCK_N rows of
-   the expert's gate and up weights and writes ``act(gate) * up`` [padded rows, I].
+   the expert's gate and up weights and writes ``act(gate) * up`` [padded rows, I]. Programs
+   run in groups of GROUP_M row blocks that sweep every column tile before the next group
+   starts (``_tile``), so a row block's gathered activations and an expert's weights are
+   reused from L2 while they are hot instead of being read from memory once per column tile.
 3. down: one launch; the same blocks times the expert's down weight, scaled by each pair's
    routing weight, written per pair [T*K, H].
 4. combine: per token, the sum over its K pairs (ids outside [0, E) contribute nothing).
@@ -31,11 +34,23 @@ logger = logging.getLogger("pagoda")
 
 
 @triton.jit
+def _tile(num_m, num_n, GROUP_M: tl.constexpr):
+    """(row block, column tile) of this program in the grouped order: GROUP_M row blocks
+    take every column tile in turn (the last group may be shorter)."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    rows_here = tl.minimum(num_m - first_m, GROUP_M)
+    within = pid % per_group
+    return first_m + within % rows_here, within // rows_here
+
+
+@triton.jit
 def _gate_up_kernel(h_ptr, stride_ht, w_ptr, stride_we, stride_wn, out_ptr, stride_ot, pairs_ptr,
-                    block_expert_ptr, num_pairs, num_experts, H, inner,
+                    block_expert_ptr, num_pairs, num_experts, H, inner, num_m,
                     TOPK: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    pid_m = tl.program_id(0)
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    pid_m, pid_n = _tile(num_m, tl.cdiv(inner, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert >= num_experts:
         return
@@ -43,7 +58,7 @@ def _gate_up_kernel(h_ptr, stride_ht, w_ptr, stride_we, stride_wn, out_ptr, stri
     pair = tl.load(pairs_ptr + rows)
     rmask = pair < num_pairs
     token = (pair // TOPK).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < inner
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -80,17 +95,17 @@ def _gate_up_kernel(h_ptr, stride_ht, w_ptr, stride_we, stride_wn, out_ptr, stri
 
 @triton.jit
 def _down_kernel(x_ptr, stride_xt, w_ptr, stride_we, stride_wn, out_ptr, stride_ot, pairs_ptr, block_expert_ptr,
-                 weights_ptr, num_pairs, num_experts, H, inner,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                 IEEE: tl.constexpr):
-    pid_m = tl.program_id(0)
+                 weights_ptr, num_pairs, num_experts, H, inner, num_m,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                 UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    pid_m, pid_n = _tile(num_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert >= num_experts:
         return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(pairs_ptr + rows)
     rmask = pair < num_pairs
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < H
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -200,37 +215,44 @@ def tuned_table(device: torch.device) -> dict:
     return _TUNED[name]
 
 
+DEFAULT_GROUP_M = 8
+
+
 def moe_config(num_pairs: int, num_experts: int, hidden: int = 0, inner: int = 0,
                device: torch.device | None = None,
-               dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): a tuned entry for this shape and
-    GPU when there is one (the first measured load at or above this one), else by the mean
-    pairs per expert. float32 (exact IEEE products, a check mode) takes small tiles: the
-    tuned 16-bit tiles as IEEE float32 products take minutes to compile and overflow shared
-    memory."""
+               dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M): a tuned entry for this
+    shape and GPU when there is one (the first measured load at or above this one; entries
+    without GROUP_M take ``DEFAULT_GROUP_M``), else by the mean pairs per expert. float32
+    (exact IEEE products, a check mode) takes small tiles: the tuned 16-bit tiles as IEEE
+    float32 products take minutes to compile and overflow shared memory."""
     per_expert = num_pairs / max(1, num_experts)
     if dtype == torch.float32:
-        return (16 if per_expert <= 16 else 32), 64, 32, 4, 2
+        return (16 if per_expert <= 16 else 32), 64, 32, 4, 2, DEFAULT_GROUP_M
     entries = tuned_table(device).get(shape_key(num_experts, hidden, inner)) if device is not None else None
     if entries:
-        for load, config in sorted(entries):
-            if per_expert <= load:
-                return tuple(config)
-        return tuple(sorted(entries)[-1][1])
+        ordered = sorted(entries)
+        chosen = next((config for load, config in ordered if per_expert <= load), ordered[-1][1])
+        return _with_group(chosen)
     if per_expert <= 16:
-        return 16, 64, 128, 4, 4
+        return 16, 64, 128, 4, 4, DEFAULT_GROUP_M
     if per_expert <= 48:
-        return 32, 64, 128, 4, 4
+        return 32, 64, 128, 4, 4, DEFAULT_GROUP_M
     if per_expert <= 160:
-        return 64, 64, 64, 4, 4
-    return 64, 128, 64, 8, 3
+        return 64, 64, 64, 4, 4, DEFAULT_GROUP_M
+    return 64, 128, 64, 8, 3, DEFAULT_GROUP_M
+
+
+def _with_group(config) -> tuple[int, int, int, int, int, int]:
+    config = tuple(int(v) for v in config)
+    return config if len(config) == 6 else config[:5] + (DEFAULT_GROUP_M,)
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "silu",
-              config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+              config: tuple[int, ...] | None = None) -> torch.Tensor:
     """hidden [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, K]; topk_ids [T, K] -> [T, H].
-    ``config`` overrides ``moe_config`` (tuning sweeps)."""
+    ``config`` overrides ``moe_config`` (tuning sweeps; GROUP_M may be left out)."""
     if activation not in ("silu", "gelu_tanh"):
         raise ValueError(f"fused_moe: activation {activation!r} is not supported (silu, gelu_tanh)")
     t, h = hidden.shape
@@ -244,24 +266,24 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     w13 = w13 if w13.is_contiguous() else w13.contiguous()
     w2 = w2 if w2.is_contiguous() else w2.contiguous()
     num_pairs = t * topk
-    block_m, block_n, block_k, num_warps, num_stages = config or moe_config(num_pairs, num_experts, h, inner,
-                                                                            hidden.device, hidden.dtype)
+    block_m, block_n, block_k, num_warps, num_stages, group_m = (
+        _with_group(config) if config else moe_config(num_pairs, num_experts, h, inner, hidden.device, hidden.dtype))
     block_k = min(block_k, max(16, next_pow2(min(h, inner))))
     pairs, block_expert, max_blocks = align(topk_ids, num_experts, block_m)
     upcast = interpreting()
     ieee = hidden.dtype == torch.float32
     act = torch.empty((max_blocks * block_m, inner), dtype=hidden.dtype, device=hidden.device)
-    _gate_up_kernel[(max_blocks, triton.cdiv(inner, block_n))](
+    _gate_up_kernel[(max_blocks * triton.cdiv(inner, block_n),)](
         hidden, hidden.stride(0), w13, w13.stride(0), w13.stride(1), act, act.stride(0), pairs, block_expert,
-        num_pairs, num_experts, h, inner, TOPK=topk, ACT="silu" if activation == "silu" else "gelu",
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, IEEE=ieee, num_warps=num_warps,
-        num_stages=num_stages)
+        num_pairs, num_experts, h, inner, max_blocks, TOPK=topk, ACT="silu" if activation == "silu" else "gelu",
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, UPCAST=upcast, IEEE=ieee,
+        num_warps=num_warps, num_stages=num_stages)
     per_pair = torch.empty((num_pairs, h), dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).float().contiguous()
-    _down_kernel[(max_blocks, triton.cdiv(h, block_n))](
+    _down_kernel[(max_blocks * triton.cdiv(h, block_n),)](
         act, act.stride(0), w2, w2.stride(0), w2.stride(1), per_pair, per_pair.stride(0), pairs, block_expert,
-        weights, num_pairs, num_experts, h, inner, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        UPCAST=upcast, IEEE=ieee, num_warps=num_warps, num_stages=num_stages)
+        weights, num_pairs, num_experts, h, inner, max_blocks, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        GROUP_M=group_m, UPCAST=upcast, IEEE=ieee, num_warps=num_warps, num_stages=num_stages)
     ids = topk_ids.reshape(-1).contiguous()
     _combine_kernel[(t, triton.cdiv(h, 1024))](per_pair, ids, out, h, num_experts, TOPK=topk, BLOCK=1024,
                                                num_warps=4)
