@@ -113,12 +113,14 @@ def test_decode_splits_match_single_pass(device):
 
     store_kv_cache(k.view(-1, 2, 32), v.view(-1, 2, 32), cache, meta.slot_mapping)
     outs = []
-    for splits in (1, 4):
+    # one pass and four splits, programs in sequence-major and in heads-adjacent order
+    for splits, adjacent in ((1, False), (4, False), (1, True), (4, True)):
         out = torch.empty(3, 4, 32, device=device)
         paged_decode(q.view(3, 4, 32), cache[0], cache[1], meta.block_tables, meta.seq_lens, out, 32 ** -0.5,
-                     splits)
+                     splits, config=(16, 4, 2, adjacent))
         outs.append(out)
-    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    for other in outs[1:]:
+        torch.testing.assert_close(other, outs[0], atol=1e-5, rtol=1e-5)
 
 
 def test_backend_selection_rules():

@@ -32,9 +32,15 @@ def _decode_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, str
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    USE_WINDOW: tl.constexpr, USE_CAP: tl.constexpr, UPCAST: tl.constexpr,
-                   IEEE: tl.constexpr, HAS_SCALE: tl.constexpr):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+                   IEEE: tl.constexpr, HAS_SCALE: tl.constexpr, HEADS_ADJACENT: tl.constexpr):
+    if HEADS_ADJACENT:  # the KV heads of one sequence run side by side: together they read whole pages
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
+        num_kv_heads = tl.num_programs(0)
+    else:
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        num_kv_heads = tl.num_programs(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     lo = 0
@@ -111,7 +117,7 @@ def _decode_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, str
                  out.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
     else:
         # partials [B, num_heads, NUM_SPLITS, BLOCK_D] and lse [B, num_heads, NUM_SPLITS] (log2 domain)
-        num_heads = tl.num_programs(1) * GROUP
+        num_heads = num_kv_heads * GROUP
         base = (b.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
         empty = l_i == 0.0
         safe_l = tl.where(empty, 1.0, l_i)
@@ -150,23 +156,29 @@ def choose_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: to
     return max(1, next_pow2(splits) if splits > 1 else 1)
 
 
-def decode_config(head: int, group: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) for a head size and GQA group."""
+HEADS_ADJACENT = False
+
+
+def decode_config(head: int, group: int) -> tuple[int, int, int, bool]:
+    """(BLOCK_N, num_warps, num_stages, heads adjacent) for a head size and GQA group. Heads
+    adjacent: programs are ordered KV head fastest, so the heads of one sequence read each
+    cache page together (a page holds every head of its tokens: [block_size, nk, D])."""
     block_d = next_pow2(head)
     if block_d >= 256:
-        return 32, 4, 2
+        return 32, 4, 2, HEADS_ADJACENT
     if group > 8:
-        return 32, 4, 2
-    return 64, 4, 3
+        return 32, 4, 2, HEADS_ADJACENT
+    return 64, 4, 3, HEADS_ADJACENT
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, out: torch.Tensor, scale: float, num_splits: int,
                  sliding_window: int | None = None, soft_cap: float | None = None,
-                 config: tuple[int, int, int] | None = None, kv_scales: dict | None = None) -> None:
+                 config: tuple | None = None, kv_scales: dict | None = None) -> None:
     """q [B, nq, D] (one token per sequence), caches [num_blocks, block_size, nk, D],
     block_tables [B, W] (any strides), seq_lens [B] int32 -> out [B, nq, D]. ``config``
-    (BLOCK_N, num_warps, num_stages) overrides ``decode_config`` (kernel sweeps); ``kv_scales``
+    (BLOCK_N, num_warps, num_stages[, heads adjacent]) overrides ``decode_config`` (kernel
+    sweeps); ``kv_scales``
     ({"k_scale", "v_scale"} float32 0-dim): an fp8 cache holding k / k_scale."""
     b, nq, head = q.shape
     if b == 0:
@@ -175,18 +187,20 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     group = nq // nk
     block_h = max(16, next_pow2(group))
     block_d = max(16, next_pow2(head))
-    block_n, num_warps, num_stages = config or decode_config(head, group)
+    block_n, num_warps, num_stages, adjacent = (tuple(config) + (HEADS_ADJACENT,))[:4] if config else \
+        decode_config(head, group)
     upcast = interpreting()
     ieee = q.dtype == torch.float32
     common = dict(HAS_SCALE=bool(kv_scales), GROUP=group, BLOCK_H=block_h, HEAD=head, BLOCK_D=block_d,
                   BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits, USE_WINDOW=bool(sliding_window),
-                  USE_CAP=bool(soft_cap), UPCAST=upcast, IEEE=ieee, num_warps=num_warps, num_stages=num_stages)
+                  USE_CAP=bool(soft_cap), UPCAST=upcast, IEEE=ieee, HEADS_ADJACENT=bool(adjacent),
+                  num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         part_out = torch.empty((b, nq, num_splits, block_d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((b, nq, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
-    _decode_kernel[(b, nk, num_splits)](
+    _decode_kernel[(nk, b, num_splits) if adjacent else (b, nk, num_splits)](
         q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables, block_tables.stride(0), block_tables.stride(1), seq_lens, out, out.stride(0), out.stride(1),
         part_out, part_lse, float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
