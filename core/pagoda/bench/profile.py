@@ -141,7 +141,25 @@ def _profile_prefill_step(engine, on_gpu: bool) -> dict:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     tokens = sum(s.num_computed_tokens for s in sched.running) - before
-    return {"tokens": tokens, "wall_seconds": wall, "kernels": _kernel_table(prof, 1, on_gpu)}
+    return {"tokens": tokens, "wall_seconds": wall, "kernels": _kernel_table(prof, 1, on_gpu),
+            "runtime_calls": _runtime_calls(prof) if on_gpu else {}}
+
+
+# CUDA runtime/driver calls that make the host wait for the device (or may: allocation)
+WAITING_CALLS = ("Synchronize", "cudaMemcpy", "cudaMalloc", "cudaFree", "cudaHostAlloc", "cuMemAlloc", "cuMemFree")
+
+
+def _runtime_calls(prof) -> dict:
+    """Host time in CUDA runtime calls by name: {name: [count, seconds]}, the waiting ones
+    (synchronisation, blocking copies, allocation) and the kernel launches. A prefill step
+    that leaves the GPU idle shows here where the host waited."""
+    calls = {}
+    for evt in prof.key_averages():
+        key = evt.key
+        if not key.startswith("cu") or not (any(w in key for w in WAITING_CALLS) or "Launch" in key):
+            continue
+        calls[key] = [evt.count, evt.cpu_time_total / 1e6]
+    return dict(sorted(calls.items(), key=lambda kv: -kv[1][1]))
 
 
 def format_profile(profile: dict) -> list[str]:
@@ -164,4 +182,8 @@ def format_profile(profile: dict) -> list[str]:
                      f"kernels busy {kernels['busy_seconds'] * 1e3:.3f} ms")
         for category, seconds in kernels["per_category_seconds"].items():
             lines.append(f"    {category:<11} {seconds * 1e3:8.3f} ms")
+        calls = prefill.get("runtime_calls") or {}
+        if calls:
+            lines.append("  host in CUDA calls: " + ", ".join(f"{name} x{count} {seconds * 1e3:.2f} ms"
+                                                           for name, (count, seconds) in list(calls.items())[:6]))
     return lines
