@@ -18,8 +18,8 @@ for lane in 0 1; do
   (
     [ -n "$settings" ] && eval "export $settings"
     export CUDA_VISIBLE_DEVICES=$lane SITE=/tmp/pagoda-site-$lane OUT="$OUT/lane$lane"
-    bash scripts/gpu_check.sh >"$OUT/lane$lane.txt" 2>&1
-  ) &
+    bash scripts/gpu_check.sh
+  ) >"$OUT/lane$lane.txt" 2>&1 &
   pids+=($!)
 done
 for pid in "${pids[@]}"; do wait "$pid"; done
