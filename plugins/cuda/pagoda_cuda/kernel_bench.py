@@ -101,12 +101,14 @@ def bench_moe(rows: list, tokens: int, hidden: int, inner: int, experts: int, to
 
 # MoE shapes of the benchmark models: experts, hidden, expert intermediate, top-k
 MOE_SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "deepseek-v3-4l": (256, 7168, 2048, 8)}
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tried for decode (256 tokens) and prefill (4096)
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M) tried for decode (256 tokens) and
+# an 8,192-token prefill step
 MOE_CANDIDATES = {
-    256: [(16, 64, 128, 4, 4), (32, 64, 128, 4, 3), (32, 128, 64, 4, 4), (64, 64, 64, 4, 3), (32, 64, 64, 4, 4),
-          (16, 128, 64, 4, 4), (64, 128, 64, 4, 3)],
-    4096: [(64, 128, 64, 4, 3), (64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 64, 64, 4, 3),
-           (64, 128, 128, 8, 3)],
+    256: [(16, 64, 128, 4, 4, 1), (32, 64, 128, 4, 3, 1), (32, 128, 64, 4, 4, 1), (64, 64, 64, 4, 3, 1),
+          (16, 128, 64, 4, 4, 1), (16, 128, 64, 4, 4, 4), (64, 128, 64, 4, 3, 1)],
+    8192: [(128, 128, 64, 8, 3, 4), (128, 128, 64, 8, 3, 8), (128, 128, 64, 8, 4, 4), (64, 128, 64, 4, 3, 4),
+           (128, 128, 64, 4, 4, 4), (64, 128, 128, 4, 3, 4), (128, 64, 64, 4, 3, 4), (64, 256, 64, 8, 3, 4),
+           (128, 128, 32, 8, 4, 4)],
 }
 
 

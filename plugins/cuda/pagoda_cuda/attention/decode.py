@@ -156,7 +156,7 @@ def choose_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: to
     return max(1, next_pow2(splits) if splits > 1 else 1)
 
 
-HEADS_ADJACENT = False
+HEADS_ADJACENT = True  # measured faster (phi3-mini shape 554 -> 529 us; qwen3 shapes equal or better)
 
 
 def decode_config(head: int, group: int) -> tuple[int, int, int, bool]:
