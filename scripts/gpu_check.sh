@@ -16,6 +16,7 @@
 #   TESTS=1 TEST_PATHS="tests plugins"  KERNELS=1  PROFILE=1       sections to run
 #   TUNE_MOE=0    1: sweep fused-MoE tiles first, install the table for this run (fused_moe_tuned.json)
 #   TEST_TIMEOUT=240 KERNEL_TIMEOUT=150 BENCH_TIMEOUT=300           seconds per section / per shape
+#   KERNEL_ARGS="--no-sweep"  BENCH_ARGS="--max-num-batched-tokens 8192"   extra arguments
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/gpu}
@@ -68,7 +69,8 @@ if [ "$KERNELS" = 1 ]; then
   say "kernel timings at real shapes"
   tune=()
   [ "$TUNE_MOE" = 1 ] && tune=(--tune-moe "$OUT/fused_moe_tuned.json" --install-tuned)
-  timeout "$KERNEL_TIMEOUT" $PY -m pagoda_cuda.kernel_bench --json "$OUT/kernels.json" "${tune[@]}" 2>&1 \
+  # shellcheck disable=SC2086
+  timeout "$KERNEL_TIMEOUT" $PY -m pagoda_cuda.kernel_bench --json "$OUT/kernels.json" "${tune[@]}" ${KERNEL_ARGS:-} 2>&1 \
     | tee -a "$LOG"
 fi
 
@@ -94,7 +96,7 @@ for shape in $SHAPES; do
   done
   say "bench $shape: $NUM_PROMPTS prompts x $INPUT_LEN in x $OUTPUT_LEN out ${extra[*]}"
   timeout "$BENCH_TIMEOUT" $PY -m pagoda.cli.main bench throughput --shape "$shape" --num-prompts "$NUM_PROMPTS" \
-    --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --ignore-eos --json "$OUT/bench-$shape.json" "${extra[@]}" \
+    --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --ignore-eos --json "$OUT/bench-$shape.json" "${extra[@]}" ${BENCH_ARGS:-} \
     2>&1 | grep -v -E "^(USDT|STAGE:)" | tee -a "$LOG"
   status=${PIPESTATUS[0]}
   [ "$status" = 0 ] || say "bench $shape failed or timed out (exit $status)"

@@ -70,3 +70,18 @@ def test_cli_flags_cover_every_key_and_override_the_file(tmp_path):
 def test_sectioned_file_rejects_unknown_sections(tmp_path):
     with pytest.raises(ConfigError, match="unknown top-level key.*'egnine'"):
         load_engine_config(write(tmp_path, "egnine:\n  max_num_seqs: 3\nserver:\n  port: 1\n"))
+
+
+def test_step_token_budget_defaults_to_the_platforms(tmp_path):
+    from pagoda import LLM
+    from pagoda.testing import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint("llama", tmp_path, seed=0, vocab_size=64, hidden_size=16, intermediate_size=32,
+                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                max_position_embeddings=64)
+    assert EngineConfig().max_num_batched_tokens is None
+    llm = LLM(model=str(path), device="cpu", dtype="float32", num_kv_blocks=8, block_size=8)
+    assert llm.engine.max_num_batched_tokens == llm.engine.scheduler.max_num_batched_tokens == 8192
+    llm = LLM(model=str(path), device="cpu", dtype="float32", num_kv_blocks=8, block_size=8,
+              max_num_batched_tokens=24)
+    assert llm.engine.scheduler.max_num_batched_tokens == 24

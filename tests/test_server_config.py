@@ -118,3 +118,29 @@ def test_a_busy_port_fails_before_the_model_is_loaded(tmp_path, capsys):
         assert pagoda_main(["serve", "--port", str(port), "--model", str(tmp_path / "not-loaded")]) == 1
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1:{port}" in err and "does not exist" not in err
+
+
+def test_serve_keeps_the_8192_token_step_unless_told(monkeypatch):
+    """The platform's larger offline step budget is not what a server wants (decode latency)."""
+    import pagoda.server.runner as runner
+
+    seen = []
+
+    def fake_bind(host, port):
+        raise SystemExit(0)  # stop before loading a model
+
+    monkeypatch.setattr(runner, "bind", fake_bind)
+    import pagoda.cli.serve as serve
+
+    real = serve.engine_config_from_args
+
+    def capture(args):
+        cfg = real(args)
+        seen.append(cfg)
+        return cfg
+
+    monkeypatch.setattr(serve, "engine_config_from_args", capture)
+    for flags, expected in (([], 8192), (["--max-num-batched-tokens", "2048"], 2048)):
+        with pytest.raises(SystemExit):
+            pagoda_main(["serve", *flags])
+        assert seen[-1].max_num_batched_tokens == expected

@@ -65,6 +65,10 @@ class Platform:
         """Capture ``fn`` once; ``replay()`` reruns it on the same static buffers."""
         raise NotImplementedError(f"platform {self.name!r} has no graph capture")
 
+    def default_max_num_batched_tokens(self) -> int:
+        """The step token budget when the config leaves ``max_num_batched_tokens`` unset."""
+        return 8192
+
     def graph_pool(self) -> Any:
         """A new memory pool for the graphs one engine captures (None: the platform's default)."""
         return None

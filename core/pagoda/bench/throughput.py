@@ -193,7 +193,7 @@ def run(args) -> int:
                       "attention_backends": {k: b.name for k, b in runner.backends.items()},
                       "cuda_graphs": runner.graphs is not None},
             "workload": {**asdict(work), "ignore_eos": args.ignore_eos, "repeats": args.repeats,
-                         "warmup_prompts": args.warmup_prompts},
+                         "warmup_prompts": args.warmup_prompts, "step_tokens": engine.max_num_batched_tokens},
             "engine_config": config.model_dump(mode="json"),
             "setup_seconds": setup_s,
             "runs": runs,
@@ -268,6 +268,7 @@ def format_result(res: dict) -> list[str]:
         f"{floor['bytes_seconds']:.3f} s; {floor['flops'] / 1e12:,.2f} TFLOP at {c['matmul_flops'] / 1e12:.1f} "
         f"TFLOP/s = {floor['flops_seconds']:.3f} s)",
         f"  reached          {100 * res['fraction_of_bound']:.1f}% of the bound",
+        f"  step budget      {w.get('step_tokens')} tokens (max_num_batched_tokens)",
     ]
     if res["expert_load"]:
         e = res["expert_load"]

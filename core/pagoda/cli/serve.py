@@ -59,11 +59,16 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return load_server_config(getattr(args, "config_file", None), **values)
 
 
+SERVE_STEP_TOKENS = 8192
+
+
 def run(args) -> int:
     from pagoda.server.runner import bind, build_app, run_server
 
     server_config = server_config_from_args(args)  # checks the file's sections first
     engine_config = engine_config_from_args(args)
+    if engine_config.max_num_batched_tokens is None:  # a server keeps decode steps short while prompts arrive
+        engine_config.max_num_batched_tokens = SERVE_STEP_TOKENS
     from pagoda.distributed.process_group import launcher_env
 
     launched = launcher_env()

@@ -25,6 +25,16 @@ def test_platform_defaults():
     assert platform.supports_graphs
 
 
+@pytest.mark.parametrize("gib, expected", [(141, 16384), (80, 16384), (24, 8192)])
+def test_step_token_budget_follows_device_memory(monkeypatch, gib, expected):
+    class Props:
+        total_memory = gib * (1 << 30)
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: Props())
+    assert get_registry().platforms.get("cuda").default_max_num_batched_tokens() == expected
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_requesting_cuda_without_gpu_names_the_reason():
     platform = get_registry().platforms.get("cuda")
