@@ -18,9 +18,15 @@ def _bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
 
 
-def _paged(batch: int, ctx: int, nk: int, hd: int, block: int = 16, dtype=torch.bfloat16):
+def _paged(batch: int, ctx: int, nk: int, hd: int, block: int = 16, dtype=torch.bfloat16, head_major: bool = False):
+    """A random paged cache [2, blocks, block, nk, hd] (pages in random order); ``head_major``:
+    each page stores every head's tokens together ([2, blocks, nk, block, hd] in memory, the
+    same shape seen through a permuted view)."""
     blocks = batch * (-(-ctx // block))
-    cache = torch.randn(2, blocks, block, nk, hd, device="cuda", dtype=dtype)
+    if head_major:
+        cache = torch.randn(2, blocks, nk, block, hd, device="cuda", dtype=dtype).transpose(2, 3)
+    else:
+        cache = torch.randn(2, blocks, block, nk, hd, device="cuda", dtype=dtype)
     tables = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(batch, -1)
     lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
     return cache, tables, lens
@@ -29,29 +35,35 @@ def _paged(batch: int, ctx: int, nk: int, hd: int, block: int = 16, dtype=torch.
 def bench_decode(rows: list, nq: int, nk: int, hd: int, batch: int, ctx: int, sweep: bool) -> None:
     from pagoda_cuda.attention.decode import choose_splits, decode_config, paged_decode
 
-    cache, tables, lens = _paged(batch, ctx, nk, hd)
     q = torch.randn(batch, nq, hd, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     nbytes = batch * ctx * nk * hd * 2 * 2
     chosen = choose_splits(batch, nk, ctx, q.device)
-    configs = [(decode_config(hd, nq // nk), chosen)]
+    default = decode_config(hd, nq // nk)
+    configs = [(default, chosen)]
     if sweep:  # tiles, and two splits where the chosen count is one (a partial last wave of programs)
         configs += [(cfg, chosen) for cfg in [(64, 4, 2), (128, 4, 2), (64, 4, 4), (128, 4, 3), (32, 4, 3),
                                                (32, 4, 4), (32, 2, 4), (64, 8, 3), (128, 8, 3)]]
         configs += [(cfg, 2 * chosen) for cfg in [(64, 4, 3), (32, 4, 4)]]
-        # the same tiles with the KV heads of a sequence side by side (reading whole pages together)
-        configs += [(cfg[:3] + (not cfg[3],), chosen) for cfg in [configs[0][0]]]
-        configs += [(cfg + (True,), chosen) for cfg in [(32, 4, 4), (32, 2, 4), (128, 4, 2), (64, 4, 2), (64, 8, 3)]]
-    for cfg, splits in dict.fromkeys(configs):
-        try:
-            t = _bench(lambda cfg=cfg, splits=splits: paged_decode(q, cache[0], cache[1], tables, lens, out,
-                                                                   hd ** -0.5, splits, config=cfg))
-        except Exception as exc:  # a tile that does not fit (shared memory): report and go on
-            rows.append({"kernel": "decode attention", "shape": f"{batch}x{ctx} nq{nq} nk{nk} d{hd}",
-                         "config": cfg, "error": str(exc).splitlines()[0][:120]})
-            continue
-        rows.append({"kernel": "decode attention", "shape": f"B{batch} ctx{ctx} nq{nq} nk{nk} d{hd} splits{splits}",
-                     "config": cfg, "seconds": t, "GB/s": nbytes / t / 1e9})
+        # heads adjacent or not, and tail tiles after the last whole tile
+        configs += [(default[:3] + (not default[3], 0), chosen)]
+        configs += [(cfg, chosen) for cfg in [(64, 4, 3, True, 16), (64, 4, 3, True, 32), (128, 4, 2, True, 32),
+                                              (128, 4, 3, True, 16), (32, 2, 4, True, 16)]]
+    layouts = (False, True) if sweep else (False,)
+    for head_major in layouts:
+        paged = _paged(batch, ctx, nk, hd, head_major=head_major)
+        shape = f"B{batch} ctx{ctx} nq{nq} nk{nk} d{hd}" + (" head-major pages" if head_major else "")
+        for cfg, splits in dict.fromkeys(configs if not head_major else configs[:1] + configs[-6:]):
+            try:
+                t = _bench(lambda cfg=cfg, splits=splits, paged=paged: paged_decode(
+                    q, paged[0][0], paged[0][1], paged[1], paged[2], out, hd ** -0.5, splits, config=cfg))
+            except Exception as exc:  # a tile that does not fit (shared memory): report and go on
+                rows.append({"kernel": "decode attention", "shape": shape, "config": cfg,
+                             "error": str(exc).splitlines()[0][:120]})
+                continue
+            rows.append({"kernel": "decode attention", "shape": f"{shape} splits{splits}", "config": cfg,
+                         "seconds": t, "GB/s": nbytes / t / 1e9})
+        del paged
 
 
 def bench_prefill(rows: list, nq: int, nk: int, hd: int, seqs: int, length: int, sweep: bool) -> None:
@@ -106,9 +118,9 @@ MOE_SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "deepseek-v3-4l": (256, 7168
 MOE_CANDIDATES = {
     256: [(16, 64, 128, 4, 4, 1), (32, 64, 128, 4, 3, 1), (32, 128, 64, 4, 4, 1), (16, 128, 64, 4, 4, 1),
           (16, 128, 128, 4, 3, 1), (16, 64, 256, 4, 3, 1), (16, 256, 64, 8, 3, 1), (16, 128, 64, 4, 6, 1)],
-    8192: [(128, 128, 64, 8, 3, 4), (128, 128, 64, 8, 3, 8), (128, 128, 64, 8, 4, 4), (64, 128, 64, 4, 3, 4),
-           (128, 128, 64, 4, 4, 4), (64, 128, 128, 4, 3, 4), (128, 64, 64, 4, 3, 4), (64, 256, 64, 8, 3, 4),
-           (128, 128, 32, 8, 4, 4)],
+    8192: [(128, 128, 64, 8, 3, 4), (128, 128, 64, 8, 3, 8), (128, 128, 64, 8, 3, 1), (128, 128, 128, 8, 2, 4),
+           (128, 64, 128, 4, 3, 4), (128, 64, 128, 8, 3, 4), (64, 128, 64, 4, 3, 4), (64, 256, 64, 8, 3, 4),
+           (128, 128, 64, 8, 4, 8)],
 }
 
 
@@ -174,6 +186,17 @@ def bench_small_ops(rows: list, tokens: int) -> None:
     pos = torch.randint(0, 4096, (tokens,), device="cuda")
     rows.append({"kernel": "rotary", "shape": f"{tokens} tokens 16+8 heads x128",
                  "seconds": _bench(lambda: rotary_embedding(pos, q, k, 128, cache, True))})
+    # DeepSeek-V3's MLA rotary part at a 16,384-token prefill step: 128 query heads x 64 and one
+    # key head, interleaved pairs (neox for comparison); bytes read + written
+    big = 16384
+    qd = torch.randn(big, 128 * 64, device="cuda", dtype=torch.bfloat16)
+    kd = torch.randn(big, 64, device="cuda", dtype=torch.bfloat16)
+    pd = torch.randint(0, 4096, (big,), device="cuda")
+    cd = get_rope(64, 64, 4096, None).cos_sin_cache.cuda()
+    for neox in (False, True):
+        t = _bench(lambda neox=neox: rotary_embedding(pd, qd, kd, 64, cd, neox))
+        rows.append({"kernel": "rotary", "shape": f"{big} tokens 128+1 heads x64 {'neox' if neox else 'interleaved'}",
+                     "seconds": t, "GB/s": 2 * (qd.numel() + kd.numel()) * 2 / t / 1e9})
     g = torch.randn(tokens, 2 * 3072, device="cuda", dtype=torch.bfloat16)
     rows.append({"kernel": "silu_and_mul", "shape": f"{tokens}x2x3072", "seconds": _bench(lambda: silu_and_mul(g))})
     a = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)
