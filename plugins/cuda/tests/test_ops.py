@@ -72,6 +72,7 @@ def test_rotary(device, neox):
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 1e4}
     _rotary_case(device, torch.float32, 6, 4, 2, 32, 32, neox, None)
     _rotary_case(device, torch.bfloat16, 3, 3, 1, 24, 16, neox, yarn)  # partial rotary, odd heads
+    _rotary_case(device, torch.float32, 5, 2, 1, 32, 24, neox, None)  # 12 pairs: padded to 16 in the kernel
 
 
 def _qk_norm_rotary_case(device, dtype, tokens, nq, nk, hs, rot, neox):
@@ -95,7 +96,7 @@ def _qk_norm_rotary_case(device, dtype, tokens, nq, nk, hs, rot, neox):
     close(got_k, want_k, dtype)
 
 
-@pytest.mark.parametrize("neox,rot", [(True, 32), (False, 32), (True, 16)])
+@pytest.mark.parametrize("neox,rot", [(True, 32), (False, 32), (True, 16), (False, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_qk_norm_rotary_matches_norm_then_rotary(device, neox, rot, dtype):
     _qk_norm_rotary_case(device, dtype, 7, 4, 2, 32, rot, neox)

@@ -16,26 +16,51 @@ from pagoda_cuda._triton import next_pow2
 
 
 @triton.jit
+def _halves(ptr, offset, rows, hmask, ROT: tl.constexpr, HALF_PAD: tl.constexpr, ROWS_PAD: tl.constexpr,
+            IS_NEOX: tl.constexpr):
+    """The two halves of every rotated pair of ``rows`` (row r at ptr + offset + rows[r]):
+    [ROWS_PAD, HALF_PAD] each. Interleaved pairs are read as whole contiguous rows and split
+    in registers (two stride-2 reads ran at about 6% of the bandwidth of this on an H200)."""
+    if IS_NEOX:
+        i = tl.arange(0, HALF_PAD)
+        mask = hmask[:, None] & (i[None, :] < ROT // 2)
+        x1 = tl.load(ptr + offset + rows[:, None] + i[None, :], mask=mask, other=0.0)
+        x2 = tl.load(ptr + offset + rows[:, None] + ROT // 2 + i[None, :], mask=mask, other=0.0)
+    else:
+        c = tl.arange(0, 2 * HALF_PAD)
+        mask = hmask[:, None] & (c[None, :] < ROT)
+        pairs = tl.load(ptr + offset + rows[:, None] + c[None, :], mask=mask, other=0.0)
+        x1, x2 = tl.split(tl.reshape(pairs, [ROWS_PAD, HALF_PAD, 2]))
+    return x1, x2
+
+
+@triton.jit
+def _store_halves(ptr, offset, rows, hmask, o1, o2, ROT: tl.constexpr, HALF_PAD: tl.constexpr,
+                  ROWS_PAD: tl.constexpr, IS_NEOX: tl.constexpr):
+    if IS_NEOX:
+        i = tl.arange(0, HALF_PAD)
+        mask = hmask[:, None] & (i[None, :] < ROT // 2)
+        tl.store(ptr + offset + rows[:, None] + i[None, :], o1, mask=mask)
+        tl.store(ptr + offset + rows[:, None] + ROT // 2 + i[None, :], o2, mask=mask)
+    else:
+        c = tl.arange(0, 2 * HALF_PAD)
+        mask = hmask[:, None] & (c[None, :] < ROT)
+        tl.store(ptr + offset + rows[:, None] + c[None, :], tl.reshape(tl.join(o1, o2), [ROWS_PAD, 2 * HALF_PAD]),
+                 mask=mask)
+
+
+@triton.jit
 def _rotate_heads(x_ptr, x_row, o_ptr, o_row, num_heads, cos, sin, w_ptr, eps,
                   HEAD: tl.constexpr, ROT: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
                   PASS_PAD: tl.constexpr, IS_NEOX: tl.constexpr, NORM: tl.constexpr):
     heads = tl.arange(0, HEADS_PAD)
-    i = tl.arange(0, HALF_PAD)
     hmask = heads < num_heads
-    mask = hmask[:, None] & (i[None, :] < ROT // 2)
-    if IS_NEOX:
-        i1 = i
-        i2 = i + ROT // 2
-    else:
-        i1 = 2 * i
-        i2 = 2 * i + 1
-    base = heads[:, None] * HEAD
-    x1 = tl.load(x_ptr + x_row + base + i1[None, :], mask=mask, other=0.0)
-    x2 = tl.load(x_ptr + x_row + base + i2[None, :], mask=mask, other=0.0)
+    base = heads * HEAD
+    x1, x2 = _halves(x_ptr, x_row, base, hmask, ROT, HALF_PAD, HEADS_PAD, IS_NEOX)
     j = ROT + tl.arange(0, PASS_PAD)
     pmask = hmask[:, None] & (j[None, :] < HEAD)
     if ROT < HEAD:  # pass-through dims
-        rest = tl.load(x_ptr + x_row + base + j[None, :], mask=pmask, other=0.0)
+        rest = tl.load(x_ptr + x_row + base[:, None] + j[None, :], mask=pmask, other=0.0)
     if NORM:  # RMSNorm of each head first, rounded as pagoda.kernels.reference.rms_norm rounds
         f1 = x1.to(tl.float32)
         f2 = x2.to(tl.float32)
@@ -44,21 +69,20 @@ def _rotate_heads(x_ptr, x_row, o_ptr, o_row, num_heads, cos, sin, w_ptr, eps,
             fr = rest.to(tl.float32)
             ss += tl.sum(fr * fr, axis=1)
         inv = (1.0 / tl.sqrt(ss / HEAD + eps))[:, None]
-        w1 = tl.load(w_ptr + i1, mask=i1 < ROT, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(w_ptr + i2, mask=i2 < ROT, other=0.0).to(tl.float32)[None, :]
-        x1 = ((f1 * inv).to(x_ptr.dtype.element_ty).to(tl.float32) * w1).to(o_ptr.dtype.element_ty)
-        x2 = ((f2 * inv).to(x_ptr.dtype.element_ty).to(tl.float32) * w2).to(o_ptr.dtype.element_ty)
+        one = tl.zeros([1], dtype=tl.int32)
+        w1, w2 = _halves(w_ptr, 0, one, one == 0, ROT, HALF_PAD, 1, IS_NEOX)
+        x1 = ((f1 * inv).to(x_ptr.dtype.element_ty).to(tl.float32) * w1.to(tl.float32)).to(o_ptr.dtype.element_ty)
+        x2 = ((f2 * inv).to(x_ptr.dtype.element_ty).to(tl.float32) * w2.to(tl.float32)).to(o_ptr.dtype.element_ty)
         if ROT < HEAD:
             wr = tl.load(w_ptr + j, mask=j < HEAD, other=0.0).to(tl.float32)[None, :]
             rest = ((fr * inv).to(x_ptr.dtype.element_ty).to(tl.float32) * wr).to(o_ptr.dtype.element_ty)
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
-    o1 = x1 * cos[None, :] - x2 * sin[None, :]
-    o2 = x2 * cos[None, :] + x1 * sin[None, :]
-    tl.store(o_ptr + o_row + base + i1[None, :], o1.to(o_ptr.dtype.element_ty), mask=mask)
-    tl.store(o_ptr + o_row + base + i2[None, :], o2.to(o_ptr.dtype.element_ty), mask=mask)
+    o1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(o_ptr.dtype.element_ty)
+    o2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(o_ptr.dtype.element_ty)
+    _store_halves(o_ptr, o_row, base, hmask, o1, o2, ROT, HALF_PAD, HEADS_PAD, IS_NEOX)
     if ROT < HEAD:
-        tl.store(o_ptr + o_row + base + j[None, :], rest, mask=pmask)
+        tl.store(o_ptr + o_row + base[:, None] + j[None, :], rest, mask=pmask)
 
 
 @triton.jit
