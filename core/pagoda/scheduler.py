@@ -45,6 +45,10 @@ class SchedulerStats:
     num_generated_tokens: int = 0
 
 
+# The place of a sampled token while its step is still on the device (see ``Scheduler.advance``).
+PENDING_TOKEN = -1
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int):
@@ -96,6 +100,8 @@ class Scheduler:
         for s in self.running:
             left = len(s.token_ids) - s.num_computed_tokens
             if left == 1:
+                if s.token_ids[-1] == PENDING_TOKEN and self.ends_by_length(s):
+                    continue  # its pending token (a step in flight) finishes it: nothing to compute
                 ordered.append(s)
             elif left > 1:
                 partial.append(s)
@@ -177,29 +183,80 @@ class Scheduler:
         the sequences that received a token (finished ones included).
         """
         del now
-        touched = []
+        self.advance(out)
+        return self.commit(out, sampled, eos_token_ids)
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """The step ``out`` was launched: count its tokens as computed and give every sequence
+        that samples a ``PENDING_TOKEN`` in place of the token not known yet, so that the
+        next step can be scheduled now (a pipelined engine launches it before this one's
+        tokens reach the host; ``commit`` writes them in)."""
         running_status = SequenceStatus.RUNNING
         bm = self.bm
         caching, block_size = bm.enable_prefix_caching, bm.block_size
-        check_stop = self.check_stop
         for item in out.scheduled:
             seq = item.seq
             if seq.status is not running_status:
                 continue
             seq.num_computed_tokens += item.num_new_tokens
-            # (cache_computed_blocks returns at once unless a block became full)
+            # (cache_computed_blocks returns at once unless a block became full; a pending token
+            # is never inside a computed block: it is computed by the next step)
             if caching and min(seq.num_computed_tokens, len(seq.token_ids)) // block_size > len(seq.block_hashes):
                 bm.cache_computed_blocks(seq)
+            if item.sample:
+                seq.token_ids.append(PENDING_TOKEN)
+
+    def commit(self, out: SchedulerOutput, sampled: dict[int, int], eos_token_ids: set[int]) -> list[Sequence]:
+        """Write the sampled tokens of an advanced step over their pending places and apply
+        the stops. Sequences that ended meanwhile (aborted, or stopped while this step was in
+        flight) get their token written but nothing else."""
+        touched = []
+        running_status = SequenceStatus.RUNNING
+        check_stop = self.check_stop
+        for item in out.scheduled:
             if not item.sample:
                 continue
+            seq = item.seq
+            if not seq.token_ids or seq.token_ids[-1] != PENDING_TOKEN:
+                continue  # not advanced (it had ended before the step was launched)
             token = sampled[seq.seq_id]
-            seq.append_token(token)
+            seq.fill_last_token(token)
+            if seq.status is not running_status:
+                continue
             touched.append(seq)
             status = check_stop(seq, token, eos_token_ids)
             if status is not None:
                 self.finish(seq, status)
         self.stats.num_generated_tokens += len(touched)
         return touched
+
+    def ends_by_length(self, seq: Sequence) -> bool:
+        """Whether the sequence's last token (known or pending) reaches a length limit, so that
+        it finishes when that token is committed."""
+        num_tokens = len(seq.token_ids)
+        limit = seq.params.max_tokens
+        return num_tokens >= self.max_model_len or (limit is not None and
+                                                    num_tokens - len(seq.prompt_token_ids) >= limit)
+
+    def has_work_ahead(self) -> bool:
+        """Whether a step could be scheduled now: a waiting sequence, or a running one that
+        its pending token (if any) does not finish."""
+        return bool(self.waiting) or any(
+            s.token_ids[-1] != PENDING_TOKEN or not self.ends_by_length(s) for s in self.running)
+
+    def fits_without_preemption(self) -> bool:
+        """Whether every running sequence can get the blocks for its next chunk, whatever the
+        step budget gives it: then ``schedule`` preempts nothing (a pipelined engine schedules
+        only such steps ahead, since a preempted sequence may hold a pending token)."""
+        bm = self.bm
+        need = 0
+        for seq in self.running:
+            left = len(seq.token_ids) - seq.num_computed_tokens
+            if left <= 0 or (left == 1 and seq.token_ids[-1] == PENDING_TOKEN and self.ends_by_length(seq)):
+                continue
+            tokens = seq.num_computed_tokens + min(left, self.max_num_batched_tokens)
+            need += max(0, bm.blocks_needed(tokens) - len(seq.block_table))
+        return need <= bm.num_free_blocks
 
     def check_stop(self, seq: Sequence, token: int, eos_token_ids: set[int]) -> SequenceStatus | None:
         params = seq.params

@@ -80,6 +80,14 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        self._count(token_id)
+
+    def fill_last_token(self, token_id: int) -> None:
+        """Write a sampled token over the placeholder that ``Scheduler.advance`` appended."""
+        self.token_ids[-1] = token_id
+        self._count(token_id)
+
+    def _count(self, token_id: int) -> None:
         if self.output_counts is not None:
             self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
 

@@ -120,10 +120,12 @@ class DecodeGraphs:
         h32[1, n:bucket] = 1
         return max(widest, 1)
 
-    def run(self, out: SchedulerOutput, ahead: int = 0, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, out: SchedulerOutput, ahead: int = 0, input_ids: torch.Tensor | None = None,
+            patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Replay the bucket's graph for a decode batch; returns logits [n, vocab] (static
         buffer, valid until the next replay). ``input_ids`` [n] on the device replaces the
-        host's last tokens (with ``ahead``: see ``_fill``)."""
+        host's last tokens (with ``ahead``: see ``_fill``); ``patch`` (rows, ids) on the
+        device replaces the input ids of those rows only."""
         n = len(out.scheduled)
         bucket = next(s for s in self.buckets if s >= n)
         if self.copied is not None:  # the previous step's uploads must have left the host buffers
@@ -134,6 +136,8 @@ class DecodeGraphs:
         self.dev_tables[:rows].copy_(self.host_tables[:rows], non_blocking=True)
         if input_ids is not None:
             self.dev64[0, :n].copy_(input_ids)
+        if patch is not None:
+            self.dev64[0].index_copy_(0, patch[0], patch[1])
         if self.runner.device.type == "cuda":
             self.copied = torch.cuda.Event()
             self.copied.record()

@@ -64,8 +64,13 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, device: torch.devic
     sample_rows = [i for i, it in enumerate(items) if it.sample]
     sample_idx = qsl[1:][sample_rows] - 1
 
+    pin = device.type == "cuda"
+
     def dev(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
+        host = torch.from_numpy(np.ascontiguousarray(a))
+        # pinned, so the upload never waits for work queued before it (a pipelined step is
+        # built while the previous one runs); the caching host allocator recycles the buffers
+        return (host.pin_memory() if pin else host).to(device, non_blocking=True)
 
     meta = AttentionMetadata(
         num_tokens=t, num_seqs=n, num_decodes=out.num_decodes,

@@ -13,6 +13,8 @@ from pagoda.config import EngineConfig
 from pagoda.detokenizer import Detokenizer, find_stop_string
 from pagoda.distributed.executor import create_executor
 from pagoda.engine.lookahead import DecodeLookahead
+from pagoda.engine.model_runner import ModelRunner
+from pagoda.engine.pipeline import StepPipeline
 from pagoda.errors import ConfigError, RequestError
 from pagoda.layers.rotary import rope_parameters_of, uses_sequence_length
 from pagoda.loader.model_loader import load_config
@@ -75,8 +77,15 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
                                    self.max_model_len)
         self.runner.capture_graphs(config.max_num_seqs, self.max_model_len)
-        # offline decode steps launched ahead of the host work (pagoda.engine.lookahead)
-        self.lookahead = DecodeLookahead(self) if getattr(self.runner, "graphs", None) is not None else None
+        # offline steps launched ahead of the host work: every step on one CUDA device
+        # (pagoda.engine.pipeline), decode steps of a tensor-parallel engine (pagoda.engine.lookahead)
+        self.pipeline: StepPipeline | None = None
+        self.lookahead: DecodeLookahead | None = None
+        if isinstance(self.runner, ModelRunner):
+            if self.runner.device.type == "cuda":
+                self.pipeline = StepPipeline(self)
+        elif getattr(self.runner, "graphs", None) is not None:
+            self.lookahead = DecodeLookahead(self)
         self.eos_token_ids = self._eos_ids()
         self.requests: dict[str, Request] = {}
         self._counter = itertools.count()
@@ -168,8 +177,9 @@ class LLMEngine:
         """Run one scheduled step. Returns an output for every request that received tokens,
         or with ``finished_only`` only for those that finished (offline batches: building
         every running request's partial output each step costs host time)."""
-        if self.lookahead is not None and (finished_only or self.lookahead.pending is not None):
-            outputs = self.lookahead.step(finished_only)
+        ahead = self.pipeline or self.lookahead
+        if ahead is not None and (finished_only or ahead.pending is not None):
+            outputs = ahead.step(finished_only)
             if outputs is not None:
                 return outputs
         t0 = time.perf_counter()
@@ -189,9 +199,10 @@ class LLMEngine:
                 m.num_cached_tokens = item.seq.num_computed_tokens
 
     def _complete_step(self, out, tokens: list[int], logprobs, finished_only: bool, t0: float,
-                       t1: float) -> list[RequestOutput]:
-        """After the model ran ``out`` and sampled ``tokens``: update the sequences, build the
-        outputs and account the step's time (t0: start, t1: scheduled)."""
+                       t1: float, advanced: bool = False) -> list[RequestOutput]:
+        """After the model ran ``out`` and sampled ``tokens``: update the sequences (only commit
+        the tokens when the scheduler already ``advanced`` past the step), build the outputs
+        and account the step's time (t0: start, t1: scheduled)."""
         t2 = time.perf_counter()
         seqs = [it.seq for it in out.scheduled if it.sample]
         sampled = {s.seq_id: tok for s, tok in zip(seqs, tokens)}
@@ -199,7 +210,10 @@ class LLMEngine:
             for seq, lp in zip(seqs, logprobs):
                 if lp is not None:
                     self._record_logprob(seq, sampled[seq.seq_id], lp)
-        touched = self.scheduler.update(out, sampled, self.eos_token_ids)
+        if advanced:
+            touched = self.scheduler.commit(out, sampled, self.eos_token_ids)
+        else:
+            touched = self.scheduler.update(out, sampled, self.eos_token_ids)
         outputs = self._process_outputs(touched, finished_only)
         t3 = time.perf_counter()
         tm = self.times
@@ -264,6 +278,13 @@ class LLMEngine:
                 finish_reason=seq.finish_reason(), stop_reason=seq.stop_reason))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
                              finished, request.metrics, request.metrics.num_cached_tokens)
+
+    def enable_step_pipeline(self) -> None:
+        """Pipeline offline steps on a device that does not do it by default (tests on a CPU,
+        where it changes nothing but the order of host work). One device only."""
+        if not isinstance(self.runner, ModelRunner):
+            raise ConfigError("the step pipeline runs on one device; tensor-parallel engines pipeline decode steps")
+        self.pipeline, self.lookahead = StepPipeline(self), None
 
     def shutdown(self) -> None:
         """Stop the other ranks of a tensor-parallel engine (no-op on one device; also done

@@ -167,19 +167,46 @@ class ModelRunner:
             return SampleResult([], [])
         return self.sampler(logits[: len(seqs)], seqs)
 
-    # ------------------------------------------------------------------ pipelined decode steps
+    # ------------------------------------------------------------------ pipelined steps
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, feed=None) -> PendingDecode:
+        """Start a greedy step without waiting for it (``pagoda.engine.pipeline``): graphs for a
+        decode batch they hold, else eagerly. The tokens of the sampling rows stay on the
+        device and are copied to the host in the background. ``feed`` (tokens, rows,
+        indices), device tensors: the input ids of decode ``rows`` are ``tokens[indices]``
+        (a previous step's tokens, not yet on the host)."""
+        if self.graphs is not None and self.graphs.can_run(out):
+            n = len(out.scheduled)
+            logits = self.graphs.run(out, patch=None if feed is None else (feed[1], feed[0].index_select(0, feed[2])))
+            return self._pending(logits[:n].argmax(dim=-1))
+        inputs = build_step_inputs(out, self.config.block_size, self.device)
+        if feed is not None:
+            tokens, rows, indices = feed
+            inputs.input_ids.index_copy_(0, rows, tokens.index_select(0, indices))
+        ctx = self._context(inputs)
+        with set_forward_context(ctx):
+            hidden = self.model(inputs.input_ids, inputs.positions)
+            logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
+        self._accumulate_experts(ctx)
+        return self._pending(logits[: len(inputs.sample_seqs)].argmax(dim=-1))
+
     @torch.inference_mode()
     def launch_decode(self, out: SchedulerOutput, ahead: int = 0,
                       input_ids: torch.Tensor | None = None) -> PendingDecode:
-        """Start a greedy decode step from the captured graphs without waiting for it: the
-        tokens stay on the device (``input_ids`` of a following step) and are copied to the
-        host in the background. ``ahead``/``input_ids``: see ``DecodeGraphs.run``."""
+        """Start a greedy decode step from the captured graphs without waiting for it (the
+        decode lookahead of tensor-parallel engines, ``pagoda.engine.lookahead``).
+        ``ahead``/``input_ids``: see ``DecodeGraphs.run``."""
         n = len(out.scheduled)
         logits = self.graphs.run(out, ahead, input_ids)
-        tokens = logits[:n].argmax(dim=-1)
+        return self._pending(logits[:n].argmax(dim=-1))
+
+    def _pending(self, tokens: torch.Tensor) -> PendingDecode:
+        """Copy a launched step's tokens [n] to a pinned host buffer in the background."""
+        n = tokens.shape[0]
         if self._token_hosts is None:
             pin = self.device.type == "cuda"
-            self._token_hosts = [torch.empty(self.graphs.max_bs, dtype=torch.int64, pin_memory=pin) for _ in (0, 1)]
+            size = max(self.config.max_num_seqs, self.graphs.max_bs if self.graphs is not None else 0)
+            self._token_hosts = [torch.empty(size, dtype=torch.int64, pin_memory=pin) for _ in (0, 1)]
         host = self._token_hosts[self._token_turn]
         self._token_turn ^= 1  # two steps may be in flight: alternate the host buffers
         host[:n].copy_(tokens, non_blocking=True)

@@ -53,6 +53,8 @@ def test_tiny_model_matches_transformers(tmp_path, device, triton_ops_here, mode
         ops += ["fused_moe"] if model_type != "qwen3" else ["silu_and_mul"]
         assert {kernels.selected_providers()[op] for op in ops} == {"pagoda-cuda (test)"}
     assert [o.outputs[0].token_ids for o in outs] == want
+    if device.type == "cuda":  # eager steps launched ahead of the host (the step pipeline)
+        assert llm.engine.pipeline.launched_ahead > 0
     ours = llm.prompt_logits(prompts[0])
     torch.testing.assert_close(ours, hf_prompt_logits(path, prompts[0]), atol=3e-4, rtol=3e-4)
     if device.type == "cuda":  # the same through CUDA graphs
@@ -62,3 +64,4 @@ def test_tiny_model_matches_transformers(tmp_path, device, triton_ops_here, mode
         assert llm.engine.runner.graphs is not None
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         assert [o.outputs[0].token_ids for o in outs] == want
+        assert llm.engine.pipeline.launched_ahead > 0

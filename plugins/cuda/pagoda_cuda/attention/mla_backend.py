@@ -64,8 +64,7 @@ class TritonMLAAttention(AttentionBackend):
             width = int(lens.max())
             tables = np.where(np.arange(width)[None, :] < lens[:, None], offsets[:-1, None] + np.arange(width), 0)
 
-            def dev(a, dtype):
-                return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype, non_blocking=True)
+            from pagoda_cuda.attention.prefill import upload as dev
 
             data.prefill = {
                 "seq_of": dev(seq_of + nd, torch.int64), "pos": dev(pos, torch.int64),

@@ -123,14 +123,24 @@ def prefill_config(head: int) -> tuple[int, int, int, int]:
     return 64, 64, 4, 2
 
 
+def upload(array: np.ndarray, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host array on the device, copied from pinned memory without waiting: a copy from
+    pageable memory may wait for all the work queued before it (inside the first layer, or
+    for the whole previous step when the engine pipelines steps)."""
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    if dtype is not None:
+        host = host.to(dtype)
+    if getattr(device, "type", device) == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def device_tile_map(maps: dict, query_start_loc: list[int], first_seq: int, block_m: int, device) -> torch.Tensor:
-    """The step's tile map for ``block_m`` (``build_tile_map``), built and uploaded on first use and
-    kept in ``maps``. The upload does not block: a blocking copy would wait, inside the first
-    layer, for all the work queued before it."""
+    """The step's tile map for ``block_m`` (``build_tile_map``), built and uploaded (``upload``)
+    on first use and kept in ``maps``."""
     tiles = maps.get(block_m)
     if tiles is None:
-        host = build_tile_map(query_start_loc, first_seq, block_m)
-        tiles = maps[block_m] = torch.from_numpy(host).to(device, non_blocking=True)
+        tiles = maps[block_m] = upload(build_tile_map(query_start_loc, first_seq, block_m), device)
     return tiles
 
 

@@ -1,0 +1,107 @@
+"""The step pipeline (``pagoda.engine.pipeline``) launches each offline step before the previous
+one's tokens reach the host. It runs on CUDA devices by default; here it is switched on for the
+CPU engine, where it must change nothing in what is generated: chunked prefills, decodes whose
+input is a pending token, EOS and length stops in the middle of the pipelined stretch, n > 1
+with prefix caching, and batches that fall back to the usual path (memory pressure, sampling)."""
+
+import json
+
+import pytest
+from pagoda import LLM, SamplingParams
+from pagoda.scheduler import PENDING_TOKEN
+from pagoda.testing import hf_greedy_tokens, make_tiny_checkpoint, random_prompts
+
+TINY = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128)
+
+
+def _llm(path, pipelined: bool, **kw) -> LLM:
+    llm = LLM(model=str(path), device="cpu", dtype="float32", block_size=4, max_num_seqs=8,
+              **{"num_kv_blocks": 64, "max_num_batched_tokens": 24, "max_model_len": 96, **kw})
+    if pipelined:
+        llm.engine.enable_step_pipeline()
+    return llm
+
+
+def _tokens(outs):
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("pipeline"), seed=4, **TINY)
+
+
+def test_chunked_prefill_and_decodes_match_transformers(model):
+    prompts = random_prompts(6, 256, 3, 40, seed=1)  # prompts longer than the 24-token step budget
+    want = hf_greedy_tokens(model, prompts, 10)
+    llm = _llm(model, True)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert llm.engine.pipeline.launched_ahead > 5
+    assert llm.get_stats()["kv_blocks_used"] == 0
+
+
+def test_eos_and_length_stops_inside_the_pipelined_stretch(model, tmp_path):
+    import shutil
+
+    path = tmp_path / "m"
+    shutil.copytree(model, path)
+    prompts = random_prompts(5, 256, 4, 30, seed=2)
+    full = hf_greedy_tokens(path, prompts, 12)
+    eos = full[2][4]  # the 5th token of prompt 2 becomes EOS
+    config = json.loads((path / "config.json").read_text())
+    config["eos_token_id"] = eos
+    (path / "config.json").write_text(json.dumps(config))
+    limits = [12, 3, 12, 7, 1]
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in limits]
+    plain = _tokens(_llm(path, False).generate(prompts, params))
+    llm = _llm(path, True)
+    assert _tokens(llm.generate(prompts, params)) == plain
+    for tokens, limit, row in zip(plain, limits, full):
+        cut = row[:limit]
+        assert tokens[0] == (cut[:cut.index(eos) + 1] if eos in cut else cut)
+    assert llm.engine.pipeline.launched_ahead > 3
+    assert llm.get_stats()["kv_blocks_used"] == 0
+    # a second batch on the same engine: a step still in flight from the first is drained
+    assert _tokens(llm.generate(prompts[:2], params[:2])) == plain[:2]
+
+
+def test_siblings_and_shared_prefixes_with_prefix_caching(model):
+    base = random_prompts(1, 256, 20, 20, seed=3)[0]
+    prompts = [base + [7, 8, 9], base + [10], base[:9]]
+    params = SamplingParams(temperature=0, max_tokens=6, n=2, ignore_eos=True)
+    plain = _tokens(_llm(model, False).generate(prompts, params))
+    llm = _llm(model, True)
+    assert _tokens(llm.generate(prompts, params)) == plain
+    assert llm.get_stats()["prefix_cache_hit_tokens"] > 0
+    assert llm.engine.pipeline.launched_ahead > 0
+
+
+def test_memory_pressure_and_sampling_fall_back_to_the_usual_path(model):
+    prompts = random_prompts(6, 256, 10, 30, seed=5)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    # 14 blocks of 4 tokens cannot hold six sequences of up to 42 tokens: preemption happens
+    plain = _tokens(_llm(model, False, num_kv_blocks=14, max_model_len=48).generate(prompts, greedy))
+    llm = _llm(model, True, num_kv_blocks=14, max_model_len=48)
+    assert _tokens(llm.generate(prompts, greedy)) == plain
+    assert llm.get_stats()["num_preemptions"] > 0
+    # a seeded sampling request in the batch: no step is scheduled ahead while it is queued
+    mixed = [greedy] * 5 + [SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True)]
+    before = llm.engine.pipeline.launched_ahead
+    want = _tokens(_llm(model, False).generate(prompts, mixed))
+    assert _tokens(llm.generate(prompts, mixed)) == want
+    assert llm.engine.pipeline.launched_ahead == before
+
+
+def test_no_pending_token_is_ever_visible(model):
+    llm = _llm(model, True)
+    seen = []
+    engine = llm.engine
+    prompts = random_prompts(4, 256, 5, 25, seed=6)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=5 + i, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        for out in engine.step(finished_only=True):
+            seen.extend(out.outputs[0].token_ids)
+    assert seen and PENDING_TOKEN not in seen
