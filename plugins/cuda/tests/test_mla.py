@@ -95,3 +95,18 @@ def test_mla_real_shapes(device):
     run_case(device, torch.bfloat16, seqs, heads=128, nope=128, rope=64, v=128, lora=512, block_size=16)
     run_case(device, torch.bfloat16, [(5000, 1), (9, 1)], heads=128, nope=128, rope=64, v=128, lora=512,
              block_size=16)
+
+
+def test_prefill_index_lands_on_the_step_device():
+    """The per-step prefill index is built on the host and uploaded to the device the step
+    runs on (the meta device stands in for a GPU here)."""
+    from types import SimpleNamespace
+
+    from pagoda_cuda.attention.mla_backend import MLAStepData, TritonMLAAttention
+
+    meta = SimpleNamespace(num_decodes=1, seq_lens_cpu=[5, 9, 4], query_start_loc_cpu=[0, 1, 4, 8])
+    index = TritonMLAAttention()._prefill_index(meta, MLAStepData(), torch.device("meta"))
+    tensors = {k: v for k, v in index.items() if isinstance(v, torch.Tensor)}
+    assert set(tensors) == {"seq_of", "pos", "tables", "seq_lens", "qsl"}
+    assert {t.device.type for t in tensors.values()} == {"meta"}
+    assert index["total"] == 13 and tensors["tables"].dtype == torch.int32

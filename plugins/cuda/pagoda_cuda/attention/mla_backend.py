@@ -64,7 +64,10 @@ class TritonMLAAttention(AttentionBackend):
             width = int(lens.max())
             tables = np.where(np.arange(width)[None, :] < lens[:, None], offsets[:-1, None] + np.arange(width), 0)
 
-            from pagoda_cuda.attention.prefill import upload as dev
+            from pagoda_cuda.attention.prefill import upload
+
+            def dev(a, dtype):
+                return upload(a, device, dtype)
 
             data.prefill = {
                 "seq_of": dev(seq_of + nd, torch.int64), "pos": dev(pos, torch.int64),
