@@ -89,8 +89,8 @@ class LLM:
         return [done[i] for i in ids]
 
     def prompt_logits(self, prompt_token_ids: Seq[int]) -> torch.Tensor:
-        """Logits [len(prompt), vocab] (float32) of every prompt position, computed in one
-        prefill through the paged path. For tests and scoring."""
+        """Logits [len(prompt), vocab] (float32, on the CPU) of every prompt position, computed
+        in one prefill through the paged path. For tests and scoring."""
         engine = self.engine
         seq = Sequence("score", 0, list(prompt_token_ids), SamplingParams(max_tokens=1))
         if not engine.block_manager.allocate_slots(seq, seq.num_tokens):
@@ -98,7 +98,7 @@ class LLM:
         try:
             seq.num_computed_tokens = 0  # compute every position, even a cached prefix
             out = SchedulerOutput([ScheduledSeq(seq, seq.num_tokens, True)], 0, seq.num_tokens)
-            return engine.runner.forward_all_logits(out)
+            return engine.runner.forward_all_logits(out).cpu()
         finally:
             engine.block_manager.free(seq)
 

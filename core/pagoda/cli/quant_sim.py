@@ -191,10 +191,10 @@ def simulate(config, method: Any, args) -> dict:
     fp = LLM(config=fp_config)
     prompts = _prompts(args, fp.tokenizer, int(hf_config.vocab_size))
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    fp_logits = [fp.prompt_logits(p).cpu() for p in prompts]
+    fp_logits = [fp.prompt_logits(p) for p in prompts]
     fp_tokens = [o.outputs[0].token_ids for o in fp.generate(prompts, greedy)]
     q = LLM(config=q_config)
-    q_logits = [q.prompt_logits(p).cpu() for p in prompts]
+    q_logits = [q.prompt_logits(p) for p in prompts]
     q_tokens = [o.outputs[0].token_ids for o in q.generate(prompts, greedy)]
 
     fp_layers, q_layers = _layer_weights(fp.engine.runner.model), _layer_weights(q.engine.runner.model)
