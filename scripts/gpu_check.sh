@@ -62,6 +62,12 @@ if [ "$TESTS" = 1 ]; then
   timeout "$TEST_TIMEOUT" $PY -m pytest -q -m gpu -rfEs --timeout 180 -p no:cacheprovider $TEST_PATHS 2>&1 \
     | tee -a "$LOG" | tail -15
   say "tests done (exit ${PIPESTATUS[0]})"
+  # not gpu-marked (they run on CPU in CI too), but on this machine they take the CUDA device:
+  # tiny models against transformers through the Triton kernels, eager and graphs, step pipeline on
+  say "whole-model checks on the GPU: plugins/cuda/tests/test_model_triton.py"
+  timeout "$TEST_TIMEOUT" $PY -m pytest -q -rfEs --timeout 180 -p no:cacheprovider \
+    plugins/cuda/tests/test_model_triton.py 2>&1 | tee -a "$LOG" | tail -15
+  say "whole-model checks done (exit ${PIPESTATUS[0]})"
 fi
 
 # ------------------------------------------------------------------ kernels
