@@ -45,15 +45,14 @@ def bench_decode(rows: list, nq: int, nk: int, hd: int, batch: int, ctx: int, sw
         configs += [(cfg, chosen) for cfg in [(64, 4, 2), (128, 4, 2), (64, 4, 4), (128, 4, 3), (32, 4, 3),
                                                (32, 4, 4), (32, 2, 4), (64, 8, 3), (128, 8, 3)]]
         configs += [(cfg, 2 * chosen) for cfg in [(64, 4, 3), (32, 4, 4)]]
-        # heads adjacent or not, and tail tiles after the last whole tile
-        configs += [(default[:3] + (not default[3], 0), chosen)]
-        configs += [(cfg, chosen) for cfg in [(64, 4, 3, True, 16), (64, 4, 3, True, 32), (128, 4, 2, True, 32),
-                                              (128, 4, 3, True, 16), (32, 2, 4, True, 16)]]
+    # the other program order, and two more tiles: also tried on head-major pages
+    others = [(default[:3] + (not default[3],), chosen), ((128, 4, 3, True), chosen), ((64, 4, 2, True), chosen)]
+    configs += others if sweep else []
     layouts = (False, True) if sweep else (False,)
     for head_major in layouts:
         paged = _paged(batch, ctx, nk, hd, head_major=head_major)
         shape = f"B{batch} ctx{ctx} nq{nq} nk{nk} d{hd}" + (" head-major pages" if head_major else "")
-        for cfg, splits in dict.fromkeys(configs if not head_major else configs[:1] + configs[-6:]):
+        for cfg, splits in dict.fromkeys(configs if not head_major else configs[:1] + others):
             try:
                 t = _bench(lambda cfg=cfg, splits=splits, paged=paged: paged_decode(
                     q, paged[0][0], paged[0][1], paged[1], paged[2], out, hd ** -0.5, splits, config=cfg))

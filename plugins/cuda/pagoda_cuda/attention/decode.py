@@ -26,58 +26,13 @@ def _tanh(x):
 
 
 @triton.jit
-def _attend(q, m_i, l_i, acc, n0, end, table_row, stride_tn, k_cache, v_cache, stride_cb, stride_cs, head_off,
-            d, dmask, k_scale, v_scale, scale, soft_cap, qk_scale, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-            USE_CAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, HAS_SCALE: tl.constexpr):
-    """One tile of BLOCK_N cached tokens [n0, n0 + BLOCK_N) folded into the running softmax
-    (m_i, l_i) and output (acc) of the query rows."""
-    n = n0 + tl.arange(0, BLOCK_N)
-    nmask = n < end
-    page = tl.load(table_row + (n // PAGE) * stride_tn, mask=nmask, other=0).to(tl.int64)
-    off = page * stride_cb + (n % PAGE).to(tl.int64) * stride_cs + head_off
-    kvmask = nmask[:, None] & dmask[None, :]
-    k = tl.load(k_cache + off[:, None] + d[None, :], mask=kvmask, other=0.0)
-    v = tl.load(v_cache + off[:, None] + d[None, :], mask=kvmask, other=0.0)
-    if HAS_SCALE:  # an fp8 cache holds k / k_scale
-        k = k.to(tl.float32) * k_scale
-        v = v.to(tl.float32) * v_scale
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    else:
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    if USE_CAP:
-        s = soft_cap * _tanh(s * scale / soft_cap) * 1.4426950408889634
-    else:
-        s = s * qk_scale
-    s = tl.where(nmask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if UPCAST:
-        pv = tl.dot(p, v)
-    elif IEEE:
-        pv = tl.dot(p, v, input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc * alpha[:, None] + pv
-
-
-@triton.jit
 def _decode_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, stride_cs, stride_ch,
                    tables_ptr, stride_tb, stride_tn, seq_lens_ptr, out_ptr, stride_ot, stride_oh,
                    part_out_ptr, part_lse_ptr, scale, soft_cap, window, k_scale_ptr, v_scale_ptr,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    USE_WINDOW: tl.constexpr, USE_CAP: tl.constexpr, UPCAST: tl.constexpr,
-                   IEEE: tl.constexpr, HAS_SCALE: tl.constexpr, HEADS_ADJACENT: tl.constexpr,
-                   TAIL_N: tl.constexpr):
+                   IEEE: tl.constexpr, HAS_SCALE: tl.constexpr, HEADS_ADJACENT: tl.constexpr):
     if HEADS_ADJACENT:  # the KV heads of one sequence run side by side: together they read whole pages
         kvh = tl.program_id(0)
         b = tl.program_id(1)
@@ -117,18 +72,44 @@ def _decode_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, str
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     table_row = tables_ptr + b.to(tl.int64) * stride_tb
     head_off = kvh.to(tl.int64) * stride_ch
-    full_end = end
-    if TAIL_N > 0:  # whole BLOCK_N tiles, then the rest in TAIL_N tiles (less masked work at the end)
-        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
-    for n0 in range(start, full_end, BLOCK_N):
-        m_i, l_i, acc = _attend(q, m_i, l_i, acc, n0, end, table_row, stride_tn, k_cache, v_cache, stride_cb,
-                                stride_cs, head_off, d, dmask, k_scale, v_scale, scale, soft_cap, qk_scale,
-                                BLOCK_N, PAGE, USE_CAP, UPCAST, IEEE, HAS_SCALE)
-    if TAIL_N > 0:
-        for n0 in range(full_end, end, TAIL_N):
-            m_i, l_i, acc = _attend(q, m_i, l_i, acc, n0, end, table_row, stride_tn, k_cache, v_cache, stride_cb,
-                                    stride_cs, head_off, d, dmask, k_scale, v_scale, scale, soft_cap, qk_scale,
-                                    TAIL_N, PAGE, USE_CAP, UPCAST, IEEE, HAS_SCALE)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nmask = n < end
+        page = tl.load(table_row + (n // PAGE) * stride_tn, mask=nmask, other=0).to(tl.int64)
+        off = page * stride_cb + (n % PAGE).to(tl.int64) * stride_cs + head_off
+        kvmask = nmask[:, None] & dmask[None, :]
+        k = tl.load(k_cache + off[:, None] + d[None, :], mask=kvmask, other=0.0)
+        v = tl.load(v_cache + off[:, None] + d[None, :], mask=kvmask, other=0.0)
+        if HAS_SCALE:  # an fp8 cache holds k / k_scale
+            k = k.to(tl.float32) * k_scale
+            v = v.to(tl.float32) * v_scale
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        else:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        if USE_CAP:
+            s = soft_cap * _tanh(s * scale / soft_cap) * 1.4426950408889634
+        else:
+            s = s * qk_scale
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if UPCAST:
+            pv = tl.dot(p, v)
+        elif IEEE:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
 
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]
@@ -176,21 +157,18 @@ def choose_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: to
 
 
 HEADS_ADJACENT = True  # measured faster (phi3-mini shape 554 -> 529 us; qwen3 shapes equal or better)
-TAIL_N = 0
 
 
-def decode_config(head: int, group: int) -> tuple[int, int, int, bool, int]:
-    """(BLOCK_N, num_warps, num_stages, heads adjacent, tail tile) for a head size and GQA
-    group. Heads adjacent: programs are ordered KV head fastest, so the heads of one sequence
-    read each cache page together (a page holds every head of its tokens: [block_size, nk, D]).
-    Tail tile (0: none): the context past the last whole BLOCK_N tile is read in tiles of
-    this many tokens instead of one mostly masked BLOCK_N tile."""
+def decode_config(head: int, group: int) -> tuple[int, int, int, bool]:
+    """(BLOCK_N, num_warps, num_stages, heads adjacent) for a head size and GQA group. Heads
+    adjacent: programs are ordered KV head fastest, so the heads of one sequence read each
+    cache page together (a page holds every head of its tokens: [block_size, nk, D])."""
     block_d = next_pow2(head)
     if block_d >= 256:
-        return 32, 4, 2, HEADS_ADJACENT, 0
+        return 32, 4, 2, HEADS_ADJACENT
     if group > 8:
-        return 32, 4, 2, HEADS_ADJACENT, 0
-    return 64, 4, 3, HEADS_ADJACENT, TAIL_N
+        return 32, 4, 2, HEADS_ADJACENT
+    return 64, 4, 3, HEADS_ADJACENT
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -199,8 +177,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  config: tuple | None = None, kv_scales: dict | None = None) -> None:
     """q [B, nq, D] (one token per sequence), caches [num_blocks, block_size, nk, D],
     block_tables [B, W] (any strides), seq_lens [B] int32 -> out [B, nq, D]. ``config``
-    (BLOCK_N, num_warps, num_stages[, heads adjacent[, tail tile]]) overrides ``decode_config``
-    (kernel sweeps); ``kv_scales``
+    (BLOCK_N, num_warps, num_stages[, heads adjacent]) overrides ``decode_config`` (kernel
+    sweeps); ``kv_scales``
     ({"k_scale", "v_scale"} float32 0-dim): an fp8 cache holding k / k_scale."""
     b, nq, head = q.shape
     if b == 0:
@@ -209,15 +187,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     group = nq // nk
     block_h = max(16, next_pow2(group))
     block_d = max(16, next_pow2(head))
-    if config:  # the optional entries default to heads adjacent and no tail tile
-        block_n, num_warps, num_stages, adjacent, tail = tuple(config) + (HEADS_ADJACENT, 0)[len(config) - 3:]
-    else:
-        block_n, num_warps, num_stages, adjacent, tail = decode_config(head, group)
+    block_n, num_warps, num_stages, adjacent = (tuple(config) + (HEADS_ADJACENT,))[:4] if config else \
+        decode_config(head, group)
     upcast = interpreting()
     ieee = q.dtype == torch.float32
     common = dict(HAS_SCALE=bool(kv_scales), GROUP=group, BLOCK_H=block_h, HEAD=head, BLOCK_D=block_d,
                   BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits, USE_WINDOW=bool(sliding_window),
-                  USE_CAP=bool(soft_cap), UPCAST=upcast, IEEE=ieee, HEADS_ADJACENT=bool(adjacent), TAIL_N=tail,
+                  USE_CAP=bool(soft_cap), UPCAST=upcast, IEEE=ieee, HEADS_ADJACENT=bool(adjacent),
                   num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         part_out = torch.empty((b, nq, num_splits, block_d), dtype=torch.float32, device=q.device)
