@@ -94,6 +94,12 @@ class SamplingParams:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1.0)
 
+    @property
+    def argmax_only(self) -> bool:
+        """Greedy without penalties or logprobs: the token is the argmax of the logits, so it can
+        stay on the device (steps launched ahead of the host)."""
+        return self.greedy and not self.needs_penalties and self.logprobs is None
+
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value

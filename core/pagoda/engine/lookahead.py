@@ -36,7 +36,7 @@ class DecodeLookahead:
         if out.preempted or graphs is None or not graphs.can_run(out):
             return False
         distinct = {id(it.seq.params): it.seq.params for it in out.scheduled}.values()
-        return all(p.greedy and not p.needs_penalties and p.logprobs is None for p in distinct)
+        return all(p.argmax_only for p in distinct)
 
     def _next_batch(self, out: SchedulerOutput) -> SchedulerOutput | None:
         """The step after ``out`` if it is certain (same sequences, no limits reached, a slot

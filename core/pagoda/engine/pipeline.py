@@ -38,7 +38,7 @@ class StepPipeline:
         """Whether every sequence that can be scheduled samples greedily with nothing per-sequence."""
         sched = self.engine.scheduler
         distinct = {id(s.params): s.params for s in itertools.chain(sched.running, sched.waiting)}.values()
-        return all(p.greedy and not p.needs_penalties and p.logprobs is None for p in distinct)
+        return all(p.argmax_only for p in distinct)
 
     def _feed(self, nxt: SchedulerOutput, out: SchedulerOutput, tokens: torch.Tensor):
         """(tokens, rows, indices): the decodes of ``nxt`` whose input is a pending token of
