@@ -60,10 +60,10 @@ def make_batch(device, dtype, seqs, nq, nk, hs, block_size, seed=0, pad_to=None)
     return q, k, v, cache, meta
 
 
-def run_both(q, k, v, cache, meta, spec, rows=None):
+def run_both(q, k, v, cache, meta, spec, rows=None, kv_scales=None):
     from pagoda_cuda.attention.backend import TritonPagedAttention
 
-    layer = FakeLayer(spec)
+    layer = FakeLayer(spec, kv_scales)
     ours_cache, ref_cache = cache.clone(), cache.clone()
     backend = TritonPagedAttention()
     meta.backend_data = backend.prepare(meta)
@@ -157,18 +157,9 @@ def test_real_shapes_graph_batch(device):
 def test_fp8_cache_with_scales(device):
     """An fp8 cache holds k / k_scale (per-layer scales): stored and read back as the torch
     backend does (GPU only: the interpreter's fp8 conversions are not exact)."""
-    from pagoda_cuda.attention.backend import TritonPagedAttention
-
     q, k, v, cache, meta = make_batch(device, torch.bfloat16, MIXED, 4, 2, 32, 8)
-    cache = cache.to(torch.float8_e4m3fn)
-    layer = FakeLayer(AttentionSpec("mha", 4, 2, 32, 32 ** -0.5),
-                      {"k_scale": torch.tensor(0.05, device=device), "v_scale": torch.tensor(0.02, device=device)})
-    ours_cache, ref_cache = cache.clone(), cache.clone()
-    backend = TritonPagedAttention()
-    meta.backend_data = backend.prepare(meta)
-    with set_forward_context(ForwardContext(attn_metadata=meta, backends={})):
-        ours = backend.forward(layer, q, k, v, ours_cache, meta)
-        meta.backend_data = None
-        want = TorchPagedAttention().forward(layer, q, k, v, ref_cache, meta)
+    scales = {"k_scale": torch.tensor(0.05, device=device), "v_scale": torch.tensor(0.02, device=device)}
+    ours, want, ours_cache, ref_cache = run_both(q, k, v, cache.to(torch.float8_e4m3fn), meta,
+                                                 AttentionSpec("mha", 4, 2, 32, 32 ** -0.5), kv_scales=scales)
     assert torch.equal(ours_cache.view(torch.uint8), ref_cache.view(torch.uint8))
     torch.testing.assert_close(ours.float(), want.float(), atol=3e-2, rtol=3e-2)
