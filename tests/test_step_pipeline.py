@@ -4,12 +4,10 @@ CPU engine, where it must change nothing in what is generated: chunked prefills,
 input is a pending token, EOS and length stops in the middle of the pipelined stretch, n > 1
 with prefix caching, and batches that fall back to the usual path (memory pressure, sampling)."""
 
-import json
-
 import pytest
 from pagoda import LLM, SamplingParams
 from pagoda.scheduler import PENDING_TOKEN
-from pagoda.testing import hf_greedy_tokens, make_tiny_checkpoint, random_prompts
+from pagoda.testing import cut_at_stops, hf_greedy_tokens, make_tiny_checkpoint, random_prompts, set_eos_token
 
 TINY = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128)
@@ -50,17 +48,13 @@ def test_eos_and_length_stops_inside_the_pipelined_stretch(model, tmp_path):
     prompts = random_prompts(5, 256, 4, 30, seed=2)
     full = hf_greedy_tokens(path, prompts, 12)
     eos = full[2][4]  # the 5th token of prompt 2 becomes EOS
-    config = json.loads((path / "config.json").read_text())
-    config["eos_token_id"] = eos
-    (path / "config.json").write_text(json.dumps(config))
+    set_eos_token(path, eos)
     limits = [12, 3, 12, 7, 1]
     params = [SamplingParams(temperature=0, max_tokens=m) for m in limits]
     plain = _tokens(_llm(path, False).generate(prompts, params))
     llm = _llm(path, True)
     assert _tokens(llm.generate(prompts, params)) == plain
-    for tokens, limit, row in zip(plain, limits, full):
-        cut = row[:limit]
-        assert tokens[0] == (cut[:cut.index(eos) + 1] if eos in cut else cut)
+    assert [tokens[0] for tokens in plain] == cut_at_stops(full, eos, limits)
     assert llm.engine.pipeline.launched_ahead > 3
     assert llm.get_stats()["kv_blocks_used"] == 0
     # a second batch on the same engine: a step still in flight from the first is drained

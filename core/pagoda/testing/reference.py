@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,25 @@ def hf_greedy_tokens(directory: str | Path, prompts: list[list[int]], max_new_to
                              pad_token_id=0)
         outs.append(gen[0, len(prompt):].tolist())
     return outs
+
+
+def set_eos_token(directory: str | Path, token: int) -> None:
+    """Make ``token`` the checkpoint's EOS (config.json ``eos_token_id``), so that a test can stop
+    greedy sequences where transformers' continuation reaches it."""
+    path = Path(directory) / "config.json"
+    config = json.loads(path.read_text())
+    config["eos_token_id"] = token
+    path.write_text(json.dumps(config))
+
+
+def cut_at_stops(continuations: list[list[int]], eos: int, limits: list[int]) -> list[list[int]]:
+    """Greedy outputs with stops: each continuation (``hf_greedy_tokens``, EOS ignored) cut at its
+    request's ``max_tokens`` and just after the first ``eos``."""
+    out = []
+    for tokens, limit in zip(continuations, limits):
+        tokens = tokens[:limit]
+        out.append(tokens[:tokens.index(eos) + 1] if eos in tokens else tokens)
+    return out
 
 
 def _stepwise_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:

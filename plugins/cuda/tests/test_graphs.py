@@ -8,7 +8,7 @@ from pagoda import LLM, SamplingParams
 from pagoda.interfaces import CapturedGraph
 from pagoda.platforms.cpu import CpuPlatform
 from pagoda.plugins import get_registry
-from pagoda.testing import hf_greedy_tokens, make_tiny_checkpoint, random_prompts
+from pagoda.testing import cut_at_stops, hf_greedy_tokens, make_tiny_checkpoint, random_prompts, set_eos_token
 
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
@@ -67,22 +67,15 @@ def test_steps_ahead_with_early_stops(tmp_path, replay_cpu, ahead):
     """Steps launched ahead of the host (the step pipeline of one device, the decode lookahead
     of tensor-parallel engines): an EOS stop and per-request length limits end sequences in
     the middle of the pipelined stretch; their speculative tokens are dropped."""
-    import json
-
     from pagoda.engine.lookahead import DecodeLookahead
 
     path = make_tiny_checkpoint("qwen3", tmp_path, seed=3, **TINY)
     prompts = random_prompts(5, 320, 4, 20, seed=5)
     full = hf_greedy_tokens(path, prompts, 14)
     eos = full[1][6]  # the 7th token of prompt 1 becomes EOS
-    config = json.loads((path / "config.json").read_text())
-    config["eos_token_id"] = eos
-    (path / "config.json").write_text(json.dumps(config))
+    set_eos_token(path, eos)
     limits = [14, 14, 9, 3, 12]
-    want = []
-    for tokens, limit in zip(full, limits):
-        tokens = tokens[:limit]
-        want.append(tokens[:tokens.index(eos) + 1] if eos in tokens else tokens)
+    want = cut_at_stops(full, eos, limits)
     llm = LLM(model=str(path), device="cpu", dtype="float32", attention_backend="triton", num_kv_blocks=40,
               block_size=4, max_num_seqs=8, max_model_len=64)
     if ahead == "pipeline":
