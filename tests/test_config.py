@@ -81,7 +81,7 @@ def test_step_token_budget_defaults_to_the_platforms(tmp_path):
                                 max_position_embeddings=64)
     assert EngineConfig().max_num_batched_tokens is None
     llm = LLM(model=str(path), device="cpu", dtype="float32", num_kv_blocks=8, block_size=8)
-    assert llm.engine.max_num_batched_tokens == llm.engine.scheduler.max_num_batched_tokens == 8192
+    assert llm.engine.scheduler.max_num_batched_tokens == 8192
     llm = LLM(model=str(path), device="cpu", dtype="float32", num_kv_blocks=8, block_size=8,
               max_num_batched_tokens=24)
     assert llm.engine.scheduler.max_num_batched_tokens == 24

@@ -193,7 +193,7 @@ def run(args) -> int:
                       "attention_backends": {k: b.name for k, b in runner.backends.items()},
                       "cuda_graphs": runner.graphs is not None},
             "workload": {**asdict(work), "ignore_eos": args.ignore_eos, "repeats": args.repeats,
-                         "warmup_prompts": args.warmup_prompts, "step_tokens": engine.max_num_batched_tokens},
+                         "warmup_prompts": args.warmup_prompts, "step_tokens": engine.scheduler.max_num_batched_tokens},
             "engine_config": config.model_dump(mode="json"),
             "setup_seconds": setup_s,
             "runs": runs,

@@ -73,9 +73,8 @@ class LLMEngine:
                            "shared between sequences; lower max_model_len to the switch length to keep it")
             prefix_caching = False
         self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching)
-        self.max_num_batched_tokens = config.max_num_batched_tokens or self.platform.default_max_num_batched_tokens()
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
-                                   self.max_model_len)
+        step_tokens = config.max_num_batched_tokens or self.platform.default_max_num_batched_tokens()
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, step_tokens, self.max_model_len)
         self.runner.capture_graphs(config.max_num_seqs, self.max_model_len)
         # offline steps launched ahead of the host work: every step on one CUDA device
         # (pagoda.engine.pipeline), decode steps of a tensor-parallel engine (pagoda.engine.lookahead)
