@@ -105,6 +105,27 @@ def test_graph_metadata_with_padding_rows(device):
     check(device, torch.float32, [(20, 1), (3, 1), (70, 1)], 8, 2, 32, 8, pad_to=8)
 
 
+@pytest.mark.parametrize("config", [(16, 16, 4, 2), (16, 32, 4, 2), (32, 16, 4, 2)])
+@pytest.mark.parametrize("window, cap", [(None, None), (19, None), (55, 5.0)])
+def test_prefill_key_phase_boundaries(device, config, window, cap):
+    """Small tiles so that the boundary between unmasked and masked key tiles falls everywhere:
+    several query tiles per sequence, cached prefixes that are and are not multiples of BLOCK_N,
+    lengths that are not multiples of the tiles; head 24 (padded to 32), GQA."""
+    from pagoda_cuda.attention.prefill import build_tile_map, paged_prefill
+
+    nq, nk, hs = 4, 2, 24
+    seqs = [(0, 37), (16, 40), (21, 35), (30, 18), (46, 20), (64, 17)]
+    q, k, v, cache, meta = make_batch(device, torch.float32, seqs, nq, nk, hs, 8, seed=5)
+    spec = AttentionSpec("mha", nq, nk, hs, hs ** -0.5, sliding_window=window, logits_soft_cap=cap)
+    with set_forward_context(ForwardContext(attn_metadata=meta, backends={})):
+        want = TorchPagedAttention().forward(FakeLayer(spec), q, k, v, cache, meta)  # stores k, v too
+    tiles = torch.from_numpy(build_tile_map(meta.query_start_loc_cpu, 0, config[0])).to(device)
+    out = torch.empty(q.shape[0], nq, hs, device=device)
+    paged_prefill(q.view(-1, nq, hs), cache[0], cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                  tiles, out, spec.scale, window, cap, config=config)
+    torch.testing.assert_close(out.view(q.shape[0], -1), want, atol=1e-4, rtol=1e-4)
+
+
 def test_decode_splits_match_single_pass(device):
     from pagoda_cuda.attention.decode import paged_decode
 

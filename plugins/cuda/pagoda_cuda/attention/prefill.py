@@ -5,6 +5,9 @@ A chunk of ``q_len`` new tokens of a sequence whose cache holds ``seq_len`` toke
 sees keys ``0 .. ctx + i`` (and, with a sliding window, only the last ``window`` of them).
 One program per (tile of BLOCK_M query tokens of one sequence, query head); the tiles are
 listed on the host (``tile_map``: sequence index, first query token of the tile).
+Key tiles that every row of the query tile sees whole (before its first query, inside every
+row's window) skip the masking (``_key_tile`` with MASKED=False); only the diagonal band and
+window-cut tiles pay for it, as in the classic causal flash-attention kernels.
 """
 
 from __future__ import annotations
@@ -20,6 +23,65 @@ from pagoda_cuda._triton import interpreting, next_pow2
 @triton.jit
 def _tanh(x):
     return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
+
+
+@triton.jit
+def _key_tile(acc, m_i, l_i, q, n0, hi, qpos, window, table_row, stride_tn, k_base, v_base, stride_cb, stride_cs,
+              stride_vb, stride_vs, d, dmask, dv, dvmask, scale, soft_cap, k_scale, v_scale,
+              BLOCK_N: tl.constexpr, PAGE: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
+              USE_CAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """Keys n0 .. n0 + BLOCK_N folded into the running softmax (acc, m_i, l_i). MASKED=False:
+    every query row sees every key of the tile (no mask; each row's maximum is finite after it)."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    in_page = (n % PAGE).to(tl.int64)
+    if MASKED:
+        nmask = n < hi
+        page = tl.load(table_row + (n // PAGE) * stride_tn, mask=nmask, other=0).to(tl.int64)
+        kmask = nmask[:, None] & dmask[None, :]
+        vmask = nmask[:, None] & dvmask[None, :]
+    else:
+        page = tl.load(table_row + (n // PAGE) * stride_tn).to(tl.int64)
+        kmask = dmask[None, :]
+        vmask = dvmask[None, :]
+    k = tl.load(k_base + (page * stride_cb + in_page * stride_cs)[:, None] + d[None, :], mask=kmask, other=0.0)
+    v = tl.load(v_base + (page * stride_vb + in_page * stride_vs)[:, None] + dv[None, :], mask=vmask, other=0.0)
+    if HAS_SCALE:  # an fp8 cache holds k / k_scale
+        k = k.to(tl.float32) * k_scale
+        v = v.to(tl.float32) * v_scale
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    else:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    if USE_CAP:
+        s = soft_cap * _tanh(s * scale / soft_cap) * 1.4426950408889634
+    else:
+        s = s * (scale * 1.4426950408889634)
+    if MASKED:
+        allowed = nmask[None, :] & (n[None, :] <= qpos[:, None])
+        if USE_WINDOW:
+            allowed = allowed & (n[None, :] > qpos[:, None] - window)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed yet
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = m_new
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if UPCAST:
+        pv = tl.dot(p, v)
+    elif IEEE:
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return acc * alpha[:, None] + pv, m_new, l_i
 
 
 @triton.jit
@@ -67,49 +129,31 @@ def _prefill_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, st
     dvmask = dv < HEAD_V
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     table_row = tables_ptr + seq.to(tl.int64) * stride_tb
-    for n0 in range(lo, hi, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        nmask = n < hi
-        page = tl.load(table_row + (n // PAGE) * stride_tn, mask=nmask, other=0).to(tl.int64)
-        in_page = (n % PAGE).to(tl.int64)
-        k_off = page * stride_cb + in_page * stride_cs + kvh.to(tl.int64) * stride_ch
-        v_off = page * stride_vb + in_page * stride_vs + kvh.to(tl.int64) * stride_vh
-        k = tl.load(k_cache + k_off[:, None] + d[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0)
-        v = tl.load(v_cache + v_off[:, None] + dv[None, :], mask=nmask[:, None] & dvmask[None, :], other=0.0)
-        if HAS_SCALE:  # an fp8 cache holds k / k_scale
-            k = k.to(tl.float32) * k_scale
-            v = v.to(tl.float32) * v_scale
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        else:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        if USE_CAP:
-            s = soft_cap * _tanh(s * scale / soft_cap) * 1.4426950408889634
-        else:
-            s = s * (scale * 1.4426950408889634)
-        allowed = nmask[None, :] & (n[None, :] <= qpos[:, None])
-        if USE_WINDOW:
-            allowed = allowed & (n[None, :] > qpos[:, None] - window)
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed yet
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if UPCAST:
-            pv = tl.dot(p, v)
-        elif IEEE:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    k_base = k_cache + kvh.to(tl.int64) * stride_ch
+    v_base = v_cache + kvh.to(tl.int64) * stride_vh
+    # keys [u_lo, u_hi) are seen whole by every row: u_hi ends the last tile whose keys all lie
+    # at or before the first query's own position ctx + m0; with a window, u_lo starts the first
+    # tile at or after hi - window (the last row's window). Masked: [lo, u_lo) and [u_hi, hi).
+    u_hi = lo + (tl.maximum(ctx + m0 + 1 - lo, 0) // BLOCK_N) * BLOCK_N
+    u_lo = lo
+    if USE_WINDOW:
+        u_lo = lo + (tl.maximum(hi - window - lo, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        u_lo = tl.minimum(u_lo, u_hi)
+        for n0 in range(lo, u_lo, BLOCK_N):
+            acc, m_i, l_i = _key_tile(acc, m_i, l_i, q, n0, hi, qpos, window, table_row, stride_tn, k_base, v_base,
+                                      stride_cb, stride_cs, stride_vb, stride_vs, d, dmask, dv, dvmask, scale,
+                                      soft_cap, k_scale, v_scale, BLOCK_N, PAGE, True, USE_WINDOW, USE_CAP,
+                                      UPCAST, IEEE, HAS_SCALE)
+    for n0 in range(u_lo, u_hi, BLOCK_N):
+        acc, m_i, l_i = _key_tile(acc, m_i, l_i, q, n0, hi, qpos, window, table_row, stride_tn, k_base, v_base,
+                                  stride_cb, stride_cs, stride_vb, stride_vs, d, dmask, dv, dvmask, scale, soft_cap,
+                                  k_scale, v_scale, BLOCK_N, PAGE, False, USE_WINDOW, USE_CAP, UPCAST, IEEE,
+                                  HAS_SCALE)
+    for n0 in range(u_hi, hi, BLOCK_N):
+        acc, m_i, l_i = _key_tile(acc, m_i, l_i, q, n0, hi, qpos, window, table_row, stride_tn, k_base, v_base,
+                                  stride_cb, stride_cs, stride_vb, stride_vs, d, dmask, dv, dvmask, scale, soft_cap,
+                                  k_scale, v_scale, BLOCK_N, PAGE, True, USE_WINDOW, USE_CAP, UPCAST, IEEE,
+                                  HAS_SCALE)
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + dv[None, :], out.to(out_ptr.dtype.element_ty),
