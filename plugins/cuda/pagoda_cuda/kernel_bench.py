@@ -104,22 +104,30 @@ def bench_moe(rows: list, tokens: int, hidden: int, inner: int, experts: int, to
     hit = min(experts, tokens * topk)
     nbytes = hit * 3 * hidden * inner * 2
     flops = tokens * topk * 3 * hidden * inner * 2
-    for cfg in dict.fromkeys([chosen] + [chosen[:5] + (g,) for g in groups]):
-        t = _bench(lambda cfg=cfg: fused_moe(x, w13, w2, weights, ids, config=cfg))
+    configs = [chosen] + [chosen[:5] + (g,) for g in groups] + [chosen[:6] + (tma,) for tma in (0, 1)]
+    for cfg in dict.fromkeys(configs):
+        try:
+            t = _bench(lambda cfg=cfg: fused_moe(x, w13, w2, weights, ids, config=cfg))
+        except Exception as exc:
+            rows.append({"kernel": "fused moe", "shape": f"T{tokens} H{hidden} I{inner} E{experts} k{topk}",
+                         "config": cfg, "error": str(exc).splitlines()[0][:120]})
+            continue
         rows.append({"kernel": "fused moe", "shape": f"T{tokens} H{hidden} I{inner} E{experts} k{topk}",
                      "config": cfg, "seconds": t, "GB/s": nbytes / t / 1e9, "TFLOP/s": flops / t / 1e12})
 
 
 # MoE shapes of the benchmark models: experts, hidden, expert intermediate, top-k
 MOE_SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "deepseek-v3-4l": (256, 7168, 2048, 8)}
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M) tried for decode (256 tokens) and
-# an 8,192-token prefill step
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M, weight descriptors) tried for decode
+# (256 tokens) and an 8,192-token prefill step; the pointer-load candidates are the previous
+# sweep's best few
 MOE_CANDIDATES = {
-    256: [(16, 64, 128, 4, 4, 1), (32, 64, 128, 4, 3, 1), (32, 128, 64, 4, 4, 1), (16, 128, 64, 4, 4, 1),
-          (16, 128, 128, 4, 3, 1), (16, 64, 256, 4, 3, 1), (16, 256, 64, 8, 3, 1), (16, 128, 64, 4, 6, 1)],
-    8192: [(128, 128, 64, 8, 3, 4), (128, 128, 64, 8, 3, 8), (128, 128, 64, 8, 3, 1), (128, 128, 128, 8, 2, 4),
-           (128, 64, 128, 4, 3, 4), (128, 64, 128, 8, 3, 4), (64, 128, 64, 4, 3, 4), (64, 256, 64, 8, 3, 4),
-           (128, 128, 64, 8, 4, 8)],
+    256: [(32, 64, 128, 4, 3, 1, 0), (16, 64, 128, 4, 4, 1, 0), (16, 128, 128, 4, 3, 1, 0),
+          (32, 64, 128, 4, 3, 1, 1), (16, 64, 128, 4, 4, 1, 1), (16, 128, 128, 4, 3, 1, 1),
+          (32, 64, 128, 4, 4, 1, 1), (16, 64, 128, 4, 6, 1, 1), (32, 128, 64, 4, 4, 1, 1)],
+    8192: [(128, 128, 64, 8, 3, 4, 0), (128, 128, 64, 8, 3, 8, 0), (128, 128, 64, 8, 4, 8, 0),
+           (128, 128, 64, 8, 3, 4, 1), (128, 128, 64, 8, 4, 4, 1), (128, 128, 64, 8, 3, 8, 1),
+           (128, 128, 128, 8, 3, 4, 1), (128, 64, 128, 8, 4, 4, 1), (64, 128, 64, 4, 4, 4, 1)],
 }
 
 
@@ -205,6 +213,30 @@ def bench_small_ops(rows: list, tokens: int) -> None:
                  "GB/s": b.numel() * 2 / t / 1e9})
 
 
+# decode-step GEMMs at batch 256 (out features, in features): qwen3-0.6b's qkv, o, gate/up, down and
+# lm_head; phi3-mini's qkv, o, gate/up, down
+DECODE_GEMMS = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024),
+                (9216, 3072), (3072, 3072), (16384, 3072), (3072, 8192)]
+
+
+def bench_decode_gemms(rows: list, tokens: int = 256) -> None:
+    """torch's linear at decode shapes with each BLAS library torch offers (cuBLAS, cuBLASLt)."""
+    a = torch.randn(tokens, 8192, device="cuda", dtype=torch.bfloat16)
+    before = torch.backends.cuda.preferred_blas_library()
+    try:
+        for n, k in DECODE_GEMMS:
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            x = a[:, :k]
+            for library in ("cublas", "cublaslt"):
+                torch.backends.cuda.preferred_blas_library(library)
+                t = _bench(lambda x=x, w=w: torch.nn.functional.linear(x, w))
+                rows.append({"kernel": f"linear ({library})", "shape": f"{tokens}x{k} @ {k}x{n}", "seconds": t,
+                             "GB/s": (w.numel() + x.numel() + tokens * n) * 2 / t / 1e9,
+                             "TFLOP/s": 2 * tokens * n * k / t / 1e12})
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pagoda_cuda.kernel_bench", description=__doc__)
     parser.add_argument("--json", help="write the rows as JSON")
@@ -230,6 +262,7 @@ def main(argv=None) -> int:
         lambda: bench_moe(rows, 8192, 2048, 768, 128, 8, (1, 4, 16)),  # its prefill step
         lambda: bench_moe(rows, 8192, 7168, 2048, 256, 8, (1, 4, 16)),  # deepseek-v3-4l prefill step
         lambda: bench_small_ops(rows, 256),
+        lambda: bench_decode_gemms(rows),
     ]
     for step in steps:
         try:

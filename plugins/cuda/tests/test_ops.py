@@ -151,7 +151,7 @@ def test_store_kv_cache_fp8_with_scales(device):
 
 
 def _moe_case(device, dtype, tokens, hidden, inner, experts, topk, activation="silu", with_invalid=False,
-              config=None):
+              config=None, weight_tma=None):
     from pagoda_cuda.ops.moe import fused_moe
 
     gen = torch.Generator().manual_seed(tokens + experts)
@@ -162,7 +162,8 @@ def _moe_case(device, dtype, tokens, hidden, inner, experts, topk, activation="s
     weights, ids = torch.softmax(logits, -1).topk(topk, dim=-1)
     if with_invalid:  # expert parallelism maps experts held elsewhere to -1
         ids[::3, 0] = -1
-    got = fused_moe(x, w13, w2, weights.to(device), ids.to(device), activation, config=config)
+    got = fused_moe(x, w13, w2, weights.to(device), ids.to(device), activation, config=config,
+                    weight_tma=weight_tma)
     want = ref.fused_moe(x, w13, w2, weights.to(device), ids.to(device), activation)
     close(got, want, dtype, scale=2.0)
 
@@ -181,6 +182,28 @@ def test_fused_moe_grouped_tile_order(device, group_m):
     # 80 pairs over 4 experts: 9 row blocks (about 8 used) x 2 column tiles per projection;
     # with GROUP_M 5 the second group is short and holds used blocks
     _moe_case(device, torch.float32, 40, 32, 24, 4, 2, config=(16, 16, 16, 4, 2, group_m))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_moe_weight_descriptors(device, dtype, monkeypatch):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    made = []
+    original = TensorDescriptor.from_tensor
+
+    def counted(*args, **kw):
+        made.append(1)
+        return original(*args, **kw)
+
+    monkeypatch.setattr(TensorDescriptor, "from_tensor", staticmethod(counted))
+    # weight tiles through descriptors: I = 24 and H = 40 are not multiples of the 16-row tiles, so
+    # the last tile of a run reads the next run's rows (up rows, the next expert) or past the end
+    # of the weights, and those columns must be dropped at the store
+    _moe_case(device, dtype, 21, 40, 24, 4, 2, with_invalid=True, config=(16, 16, 16, 4, 2, 1), weight_tma=True)
+    # the same asked for by a tuned table's 7th config entry (and not, with 0)
+    _moe_case(device, dtype, 21, 40, 24, 4, 2, config=(16, 16, 16, 4, 2, 1, 1))
+    _moe_case(device, dtype, 21, 40, 24, 4, 2, config=(16, 16, 16, 4, 2, 1, 0))
+    assert len(made) == 4  # w13 and w2, twice
 
 
 # ----------------------------------------------------------------------------- real shapes (GPU)
@@ -222,7 +245,9 @@ def test_activation_and_store_real_shapes(device):
 @GPU
 @pytest.mark.parametrize("tokens", [1, 256, 4096])
 def test_fused_moe_real_shapes(device, tokens):
-    _moe_case(device, torch.bfloat16, tokens, 2048, 768, 128, 8, with_invalid=tokens == 256)
+    for weight_tma in (False, True):
+        _moe_case(device, torch.bfloat16, tokens, 2048, 768, 128, 8, with_invalid=tokens == 256,
+                  weight_tma=weight_tma)
 
 
 @pytest.mark.parametrize("tokens,experts,top_k,renormalize,scaling", [

@@ -49,7 +49,8 @@ def _tile(num_m, num_n, GROUP_M: tl.constexpr):
 def _gate_up_kernel(h_ptr, stride_ht, w_ptr, stride_we, stride_wn, out_ptr, stride_ot, pairs_ptr,
                     block_expert_ptr, num_pairs, num_experts, H, inner, num_m,
                     TOPK: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                    W_DESC: tl.constexpr):
     pid_m, pid_n = _tile(num_m, tl.cdiv(inner, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert >= num_experts:
@@ -60,16 +61,23 @@ def _gate_up_kernel(h_ptr, stride_ht, w_ptr, stride_we, stride_wn, out_ptr, stri
     token = (pair // TOPK).to(tl.int64)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < inner
-    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    if not W_DESC:
+        w_base = w_ptr + expert.to(tl.int64) * stride_we
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < H
         a = tl.load(h_ptr + token[:, None] * stride_ht + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        wmask = kmask[:, None] & nmask[None, :]
-        wg = tl.load(w_base + n[None, :].to(tl.int64) * stride_wn + k[:, None], mask=wmask, other=0.0)
-        wu = tl.load(w_base + (inner + n)[None, :].to(tl.int64) * stride_wn + k[:, None], mask=wmask, other=0.0)
+        if W_DESC:  # w_ptr: a descriptor over [E * 2I, H]; rows past a run are masked at the store
+            row = expert * 2 * inner + pid_n * BLOCK_N
+            wg = tl.trans(w_ptr.load([row, k0]))
+            wu = tl.trans(w_ptr.load([row + inner, k0]))
+        else:
+            wmask = kmask[:, None] & nmask[None, :]
+            wg = tl.load(w_base + n[None, :].to(tl.int64) * stride_wn + k[:, None], mask=wmask, other=0.0)
+            wu = tl.load(w_base + (inner + n)[None, :].to(tl.int64) * stride_wn + k[:, None], mask=wmask,
+                         other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             wg = wg.to(tl.float32)
@@ -97,7 +105,7 @@ def _gate_up_kernel(h_ptr, stride_ht, w_ptr, stride_we, stride_wn, out_ptr, stri
 def _down_kernel(x_ptr, stride_xt, w_ptr, stride_we, stride_wn, out_ptr, stride_ot, pairs_ptr, block_expert_ptr,
                  weights_ptr, num_pairs, num_experts, H, inner, num_m,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                 UPCAST: tl.constexpr, IEEE: tl.constexpr, W_DESC: tl.constexpr):
     pid_m, pid_n = _tile(num_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert >= num_experts:
@@ -107,15 +115,19 @@ def _down_kernel(x_ptr, stride_xt, w_ptr, stride_we, stride_wn, out_ptr, stride_
     rmask = pair < num_pairs
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < H
-    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    if not W_DESC:
+        w_base = w_ptr + expert.to(tl.int64) * stride_we
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inner, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < inner
         a = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xt + k[None, :],
                     mask=rmask[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(w_base + n[None, :].to(tl.int64) * stride_wn + k[:, None],
-                    mask=kmask[:, None] & nmask[None, :], other=0.0)
+        if W_DESC:  # w_ptr: a descriptor over [E * H, I]
+            w = tl.trans(w_ptr.load([expert * H + pid_n * BLOCK_N, k0]))
+        else:
+            w = tl.load(w_base + n[None, :].to(tl.int64) * stride_wn + k[:, None],
+                        mask=kmask[:, None] & nmask[None, :], other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
@@ -225,8 +237,8 @@ def default_group_m(per_expert: float) -> int:
 
 def moe_config(num_pairs: int, num_experts: int, hidden: int = 0, inner: int = 0,
                device: torch.device | None = None,
-               dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M): a tuned entry for this
+               dtype: torch.dtype = torch.bfloat16) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M[, weight descriptors]): a tuned entry for this
     shape and GPU when there is one (the first measured load at or above this one), else by
     the mean pairs per expert. float32 (exact IEEE products, a check mode) takes small tiles:
     the tuned 16-bit tiles as IEEE float32 products take minutes to compile and overflow
@@ -249,17 +261,34 @@ def moe_config(num_pairs: int, num_experts: int, hidden: int = 0, inner: int = 0
     return 64, 128, 64, 8, 3, group
 
 
-def with_group(config, group: int) -> tuple[int, int, int, int, int, int]:
-    """A 5-entry config (tables and sweeps from before GROUP_M) completed with ``group``."""
+def with_group(config, group: int) -> tuple[int, ...]:
+    """A 5-entry config (tables and sweeps from before GROUP_M) completed with ``group``; a 7th
+    entry (weight tiles through descriptors, 0/1) is kept."""
     config = tuple(int(v) for v in config)
-    return config if len(config) == 6 else config[:5] + (group,)
+    return config if len(config) >= 6 else config[:5] + (group,)
+
+
+# Weight tiles through tensor-memory-accelerator descriptors (Hopper and later) instead of
+# pointer loads; None: WEIGHT_TMA_DEFAULT where the device has it.
+WEIGHT_TMA_DEFAULT = False
+
+
+def weight_descriptors(device: torch.device, weight_tma: bool | None) -> bool:
+    """Whether the weight tiles load through descriptors: asked for (tests, sweeps) or the default
+    on a device of compute capability 9.0 or later; the interpreter runs them as well."""
+    if weight_tma is not None:
+        return weight_tma
+    if not WEIGHT_TMA_DEFAULT or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "silu",
-              config: tuple[int, ...] | None = None) -> torch.Tensor:
+              config: tuple[int, ...] | None = None, weight_tma: bool | None = None) -> torch.Tensor:
     """hidden [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, K]; topk_ids [T, K] -> [T, H].
-    ``config`` overrides ``moe_config`` (tuning sweeps; GROUP_M may be left out)."""
+    ``config`` overrides ``moe_config`` (tuning sweeps; GROUP_M may be left out; a 7th entry
+    says whether weight tiles load through descriptors); ``weight_tma`` overrides both."""
     if activation not in ("silu", "gelu_tanh"):
         raise ValueError(f"fused_moe: activation {activation!r} is not supported (silu, gelu_tanh)")
     t, h = hidden.shape
@@ -273,25 +302,34 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     w13 = w13 if w13.is_contiguous() else w13.contiguous()
     w2 = w2 if w2.is_contiguous() else w2.contiguous()
     num_pairs = t * topk
-    block_m, block_n, block_k, num_warps, num_stages, group_m = (
-        with_group(config, default_group_m(num_pairs / num_experts)) if config else
-        moe_config(num_pairs, num_experts, h, inner, hidden.device, hidden.dtype))
+    chosen = (with_group(config, default_group_m(num_pairs / num_experts)) if config else
+              moe_config(num_pairs, num_experts, h, inner, hidden.device, hidden.dtype))
+    block_m, block_n, block_k, num_warps, num_stages, group_m = chosen[:6]
+    if weight_tma is None and len(chosen) > 6:
+        weight_tma = bool(chosen[6])
     block_k = min(block_k, max(16, next_pow2(min(h, inner))))
     pairs, block_expert, max_blocks = align(topk_ids, num_experts, block_m)
     upcast = interpreting()
     ieee = hidden.dtype == torch.float32
     act = torch.empty((max_blocks * block_m, inner), dtype=hidden.dtype, device=hidden.device)
+    w13_arg, w2_arg = w13, w2
+    tma = weight_descriptors(hidden.device, weight_tma)
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        w13_arg = TensorDescriptor.from_tensor(w13.view(num_experts * two_inner, h), [block_n, block_k])
+        w2_arg = TensorDescriptor.from_tensor(w2.view(num_experts * h, inner), [block_n, block_k])
     _gate_up_kernel[(max_blocks * triton.cdiv(inner, block_n),)](
-        hidden, hidden.stride(0), w13, w13.stride(0), w13.stride(1), act, act.stride(0), pairs, block_expert,
+        hidden, hidden.stride(0), w13_arg, w13.stride(0), w13.stride(1), act, act.stride(0), pairs, block_expert,
         num_pairs, num_experts, h, inner, max_blocks, TOPK=topk, ACT="silu" if activation == "silu" else "gelu",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, UPCAST=upcast, IEEE=ieee,
-        num_warps=num_warps, num_stages=num_stages)
+        W_DESC=tma, num_warps=num_warps, num_stages=num_stages)
     per_pair = torch.empty((num_pairs, h), dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     _down_kernel[(max_blocks * triton.cdiv(h, block_n),)](
-        act, act.stride(0), w2, w2.stride(0), w2.stride(1), per_pair, per_pair.stride(0), pairs, block_expert,
+        act, act.stride(0), w2_arg, w2.stride(0), w2.stride(1), per_pair, per_pair.stride(0), pairs, block_expert,
         weights, num_pairs, num_experts, h, inner, max_blocks, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        GROUP_M=group_m, UPCAST=upcast, IEEE=ieee, num_warps=num_warps, num_stages=num_stages)
+        GROUP_M=group_m, UPCAST=upcast, IEEE=ieee, W_DESC=tma, num_warps=num_warps, num_stages=num_stages)
     ids = topk_ids.reshape(-1).contiguous()
     _combine_kernel[(t, triton.cdiv(h, 1024))](per_pair, ids, out, h, num_experts, TOPK=topk, BLOCK=1024,
                                                num_warps=4)
