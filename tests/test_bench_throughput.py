@@ -61,6 +61,9 @@ def test_cpu_run_writes_the_result_file(tmp_path, capsys):
     assert res["profile"]["batch"] == 3 and res["profile"]["step_seconds"]["wall"] > 0
     assert res["profile"]["prefill_step"]["tokens"] == 24  # the three 8-token prompts in one step
     assert res["profile"]["prefill_step"]["kernels"]["busy_seconds"] > 0
+    host = res["profile"]["host_step"]  # the next step (the first decode step here) under cProfile
+    assert host["tokens"] == 3 and host["wall_seconds"] > 0 and len(host["top_own_seconds"]) == 10
+    assert sum(seconds for _, _, seconds in host["top_own_seconds"]) <= host["wall_seconds"]
     assert res["baseline"]["engine"] == "transformers" and res["baseline"]["output_tokens"] == 36
     assert res["engine_config"]["max_model_len"] == 20  # input + output unless given
 

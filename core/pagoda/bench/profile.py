@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
@@ -85,6 +86,7 @@ def profile_decode(llm, prompts: list[list[int]], params, timed_steps: int = 8, 
     ids = [engine.add_request(f"profile-{i}", p, params) for i, p in enumerate(prompts)]
     try:
         prefill = _profile_prefill_step(engine, on_gpu)
+        host = _host_profile_step(engine)
         while engine.has_unfinished_requests() and not _decoding_only(engine):
             engine.step()
         for _ in range(3):  # let the first decode steps settle
@@ -122,6 +124,7 @@ def profile_decode(llm, prompts: list[list[int]], params, timed_steps: int = 8, 
         "eager_step": eager_table,
         "model_gap_seconds": gap,  # host time of the model call not covered by kernels
         "prefill_step": prefill,
+        "host_step": host,
     }
 
 
@@ -143,6 +146,28 @@ def _profile_prefill_step(engine, on_gpu: bool) -> dict:
     tokens = sum(s.num_computed_tokens for s in sched.running) - before
     return {"tokens": tokens, "wall_seconds": wall, "kernels": _kernel_table(prof, 1, on_gpu),
             "runtime_calls": _runtime_calls(prof) if on_gpu else {}}
+
+
+def _host_profile_step(engine, top: int = 10) -> dict:
+    """The step after the profiled prefill step (with long prompts, another prefill step) under
+    cProfile: the Python functions that take the host's time, by own time. cProfile slows
+    Python-heavy code, so read it for proportions."""
+    import cProfile
+    import pstats
+
+    sched = engine.scheduler
+    before = sum(s.num_computed_tokens for s in sched.running)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    engine.step()
+    prof.disable()
+    wall = time.perf_counter() - t0
+    tokens = sum(s.num_computed_tokens for s in sched.running) - before
+    entries = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:top]
+    own = [[f"{name} ({Path(file).name}:{line})", calls, seconds]
+           for (file, line, name), (_, calls, seconds, _, _) in entries]
+    return {"tokens": tokens, "wall_seconds": wall, "top_own_seconds": own}
 
 
 # CUDA runtime/driver calls that make the host wait for the device (or may: allocation)
@@ -186,4 +211,10 @@ def format_profile(profile: dict) -> list[str]:
         if calls:
             lines.append("  host in CUDA calls: " + ", ".join(f"{name} x{count} {seconds * 1e3:.2f} ms"
                                                            for name, (count, seconds) in list(calls.items())[:6]))
+    host = profile.get("host_step")
+    if host:
+        lines.append(f"host (cProfile) of the next step, {host['tokens']} tokens: wall "
+                     f"{host['wall_seconds'] * 1e3:.1f} ms; own time of the top functions:")
+        lines += [f"    {seconds * 1e3:8.2f} ms  x{calls:<6} {name}"
+                  for name, calls, seconds in host["top_own_seconds"]]
     return lines
