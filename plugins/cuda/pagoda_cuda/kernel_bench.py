@@ -76,7 +76,7 @@ def bench_prefill(rows: list, nq: int, nk: int, hd: int, seqs: int, length: int,
     flops = seqs * nq * hd * 4 * length * (length + 1) / 2
     configs = [prefill_config(hd)]
     if sweep:
-        configs += [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 32, 4, 2)]
+        configs += [(64, 64, 4, 2), (64, 32, 4, 3), (64, 32, 2, 2), (32, 32, 4, 2), (128, 32, 4, 3), (64, 16, 4, 2)]
     for cfg in dict.fromkeys(configs):
         tiles = torch.from_numpy(build_tile_map(qsl, 0, cfg[0])).cuda()
         try:
@@ -258,6 +258,7 @@ def main(argv=None) -> int:
         lambda: bench_decode(rows, 16, 8, 128, 4, 16384, False),  # long context, split
         lambda: bench_prefill(rows, 16, 8, 128, 16, 512, not args.no_sweep),
         lambda: bench_prefill(rows, 32, 32, 96, 16, 512, not args.no_sweep),
+        lambda: bench_prefill(rows, 32, 4, 128, 16, 512, False),  # qwen3-30b-a3b
         lambda: bench_moe(rows, 256, 2048, 768, 128, 8, (1, 4)),  # qwen3-30b-a3b decode
         lambda: bench_moe(rows, 8192, 2048, 768, 128, 8, (1, 4, 16)),  # its prefill step
         lambda: bench_moe(rows, 8192, 7168, 2048, 256, 8, (1, 4, 16)),  # deepseek-v3-4l prefill step
