@@ -99,3 +99,25 @@ def test_no_pending_token_is_ever_visible(model):
         for out in engine.step(finished_only=True):
             seen.extend(out.outputs[0].token_ids)
     assert seen and PENDING_TOKEN not in seen
+
+
+def test_timeline_marks_every_launch(model):
+    """``pagoda bench --profile``'s device timeline: each pipelined launch is marked (host clock
+    on a synchronous device), steps are split by kind, and busy plus idle time is the wall time."""
+    from pagoda.engine.timeline import StepTimeline
+
+    prompts = random_prompts(6, 256, 3, 40, seed=1)
+    llm = _llm(model, True)
+    timeline = llm.engine.pipeline.timeline = StepTimeline(cuda=False)
+    timeline.start()
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    timeline.stop()
+    summary = timeline.summary(top=3)
+    busy = summary["busy_ms"]
+    assert busy["prefill"]["tokens"] + busy["decode"]["tokens"] == sum(map(len, prompts)) + 6 * 9
+    assert busy["prefill"]["steps"] + busy["decode"]["steps"] == len(timeline.steps) > 10
+    assert min(b["ms"] for b in busy.values()) > 0
+    total = sum(b["ms"] for b in busy.values()) + sum(summary["idle_ms"].values())
+    assert total == pytest.approx(summary["wall_ms"])
+    assert "start -> prefill" in summary["idle_ms"] and "decode -> end" in summary["idle_ms"]
+    assert len(summary["largest_gaps_ms"]) == 3

@@ -80,6 +80,27 @@ def _timed_steps(engine, steps: int, on_gpu: bool, pipelined: bool = True) -> li
     return out
 
 
+def profile_timeline(llm, prompts: list[list[int]], params) -> dict | None:
+    """One whole ``generate`` of the workload with every pipelined launch marked
+    (``pagoda.engine.timeline``): the device's busy time per step kind and its idle time
+    between steps. None when the engine does not pipeline steps."""
+    from pagoda.engine.timeline import StepTimeline
+
+    engine = llm.engine
+    if engine.pipeline is None:
+        return None
+    timeline = StepTimeline(cuda=engine.platform.device_type == "cuda")
+    engine.pipeline.timeline = timeline
+    try:
+        engine.platform.synchronize()
+        timeline.start()
+        llm.generate(prompts, params)
+        timeline.stop()
+    finally:
+        engine.pipeline.timeline = None
+    return timeline.summary()
+
+
 def profile_decode(llm, prompts: list[list[int]], params, timed_steps: int = 8, profiled_steps: int = 3) -> dict:
     engine = llm.engine
     on_gpu = engine.platform.device_type == "cuda"
@@ -211,6 +232,14 @@ def format_profile(profile: dict) -> list[str]:
         if calls:
             lines.append("  host in CUDA calls: " + ", ".join(f"{name} x{count} {seconds * 1e3:.2f} ms"
                                                            for name, (count, seconds) in list(calls.items())[:6]))
+    timeline = profile.get("timeline")
+    if timeline:
+        busy = ", ".join(f"{kind} {v['ms']:.1f} ms ({v['steps']} steps)" for kind, v in timeline["busy_ms"].items())
+        idle = ", ".join(f"{where} {ms:.1f}" for where, ms in timeline["idle_ms"].items())
+        lines.append(f"device timeline of one generate: wall {timeline['wall_ms']:.1f} ms; busy: {busy}")
+        lines.append(f"  idle (ms): {idle}")
+        lines.append("  largest gaps (ms, step, between): " + ", ".join(
+            f"{ms} #{i} {where}" for ms, i, where in timeline["largest_gaps_ms"]))
     host = profile.get("host_step")
     if host:
         lines.append(f"host (cProfile) of the next step, {host['tokens']} tokens: wall "

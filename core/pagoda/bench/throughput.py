@@ -164,11 +164,14 @@ def run(args) -> int:
         balance = expert_balance(experts and experts["layers"], config, args.save_expert_placement)
         profile = None
         if args.profile:
-            from pagoda.bench.profile import profile_decode
+            from pagoda.bench.profile import profile_decode, profile_timeline
 
+            greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
             profile = profile_decode(llm, _prompts(args.num_prompts, args.input_len, vocab, args.prompt_seed + 77),
-                                     SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
-                                                    detokenize=False))
+                                     greedy)
+            # the measured workload again, on fresh prompts (no prefix-cache hits), launches marked
+            profile["timeline"] = profile_timeline(
+                llm, _prompts(args.num_prompts, args.input_len, vocab, args.prompt_seed + 78), params)
         device = runner.device
         if args.bandwidth_gbs and args.matmul_tflops:
             ceilings = Ceilings(args.bandwidth_gbs * 1e9, args.matmul_tflops * 1e12, False)

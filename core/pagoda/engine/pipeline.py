@@ -33,6 +33,15 @@ class StepPipeline:
         self.engine = engine
         self.pending = None  # (SchedulerOutput, PendingDecode): launched and advanced, not committed
         self.launched_ahead = 0  # steps launched before their predecessor's tokens were known (stats)
+        self.timeline = None  # a pagoda.engine.timeline.StepTimeline marking each launch (profiling)
+
+    def _launch(self, out: SchedulerOutput, feed=None):
+        if self.timeline is None:
+            return self.engine.runner.launch(out, feed)
+        begin = self.timeline.mark()
+        pending = self.engine.runner.launch(out, feed)
+        self.timeline.add(out, begin, self.timeline.mark())
+        return pending
 
     def _plain(self) -> bool:
         """Whether every sequence that can be scheduled samples greedily with nothing per-sequence."""
@@ -70,7 +79,7 @@ class StepPipeline:
             if out.is_empty:
                 return []
             eng._mark_scheduled(out)
-            pending = runner.launch(out)
+            pending = self._launch(out)
             sched.advance(out)
         else:
             (out, pending), self.pending = self.pending, None
@@ -80,7 +89,7 @@ class StepPipeline:
             nxt = sched.schedule()
             if not nxt.is_empty:
                 eng._mark_scheduled(nxt)
-                ahead = (nxt, runner.launch(nxt, self._feed(nxt, out, pending.tokens)))
+                ahead = (nxt, self._launch(nxt, self._feed(nxt, out, pending.tokens)))
                 self.launched_ahead += 1
         tokens = runner.collect_decode(pending)
         outputs = eng._complete_step(out, tokens, None, finished_only, t0, t1, advanced=True)
