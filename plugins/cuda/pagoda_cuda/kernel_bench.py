@@ -18,10 +18,10 @@ def _bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
 
 
-def _paged(batch: int, ctx: int, nk: int, hd: int, block: int = 16, dtype=torch.bfloat16, head_major: bool = False):
-    """A random paged cache [2, blocks, block, nk, hd] (pages in random order); ``head_major``:
-    each page stores every head's tokens together ([2, blocks, nk, block, hd] in memory, the
-    same shape seen through a permuted view)."""
+def _paged(batch: int, ctx: int, nk: int, hd: int, block: int = 16, dtype=torch.bfloat16, head_major: bool = True):
+    """A random paged cache [2, blocks, block, nk, hd] (pages in random order); ``head_major``
+    (the triton backend's layout): each page stores each head's tokens together ([2, blocks,
+    nk, block, hd] in memory, the same shape seen through a transpose); else token-major."""
     blocks = batch * (-(-ctx // block))
     if head_major:
         cache = torch.randn(2, blocks, nk, block, hd, device="cuda", dtype=dtype).transpose(2, 3)
@@ -45,14 +45,14 @@ def bench_decode(rows: list, nq: int, nk: int, hd: int, batch: int, ctx: int, sw
         configs += [(cfg, chosen) for cfg in [(64, 4, 2), (128, 4, 2), (64, 4, 4), (128, 4, 3), (32, 4, 3),
                                                (32, 4, 4), (32, 2, 4), (64, 8, 3), (128, 8, 3)]]
         configs += [(cfg, 2 * chosen) for cfg in [(64, 4, 3), (32, 4, 4)]]
-    # the other program order, and two more tiles: also tried on head-major pages
+    # the other program order, and two more tiles: also tried on token-major pages
     others = [(default[:3] + (not default[3],), chosen), ((128, 4, 3, True), chosen), ((64, 4, 2, True), chosen)]
     configs += others if sweep else []
-    layouts = (False, True) if sweep else (False,)
+    layouts = (True, False) if sweep else (True,)
     for head_major in layouts:
         paged = _paged(batch, ctx, nk, hd, head_major=head_major)
-        shape = f"B{batch} ctx{ctx} nq{nq} nk{nk} d{hd}" + (" head-major pages" if head_major else "")
-        for cfg, splits in dict.fromkeys(configs if not head_major else configs[:1] + others):
+        shape = f"B{batch} ctx{ctx} nq{nq} nk{nk} d{hd}" + ("" if head_major else " token-major pages")
+        for cfg, splits in dict.fromkeys(configs if head_major else configs[:1] + others):
             try:
                 t = _bench(lambda cfg=cfg, splits=splits, paged=paged: paged_decode(
                     q, paged[0][0], paged[0][1], paged[1], paged[2], out, hd ** -0.5, splits, config=cfg))

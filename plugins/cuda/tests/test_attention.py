@@ -64,11 +64,14 @@ def run_both(q, k, v, cache, meta, spec, rows=None, kv_scales=None):
     from pagoda_cuda.attention.backend import TritonPagedAttention
 
     layer = FakeLayer(spec, kv_scales)
-    ours_cache, ref_cache = cache.clone(), cache.clone()
     backend = TritonPagedAttention()
+    # the backend keeps head-major pages: [2, blocks, nk, block, hs] in memory
+    stored = cache.transpose(2, 3).contiguous()
+    assert stored.shape == backend.kv_cache_shape(spec, cache.shape[1], cache.shape[2])
+    ours_cache, ref_cache = stored.transpose(2, 3), cache.clone()
     meta.backend_data = backend.prepare(meta)
     with set_forward_context(ForwardContext(attn_metadata=meta, backends={})):
-        ours = backend.forward(layer, q, k, v, ours_cache, meta)
+        ours = backend.forward(layer, q, k, v, stored, meta)
         meta.backend_data = None
         want = TorchPagedAttention().forward(layer, q, k, v, ref_cache, meta)
     rows = slice(None) if rows is None else rows

@@ -130,6 +130,19 @@ def test_store_kv_cache_skips_padding(device, dtype):
     store_kv_cache(k, v, cache, slots)
     ref.store_kv_cache(k, v, want, slots)
     assert torch.equal(cache, want)
+    # the triton backend's head-major pages [2, blocks, nk, block, hd], seen through a transpose
+    head_major = torch.zeros(2, 6, 2, 4, 24, dtype=dtype, device=device)
+    store_kv_cache(k, v, head_major.transpose(2, 3), slots)
+    assert torch.equal(head_major.transpose(2, 3), _stored_only(want, slots))
+
+
+def _stored_only(cache, slots):
+    """``cache`` [2, blocks, block, nk, hd] with every row but the stored slots zeroed."""
+    flat = cache.reshape(2, -1, *cache.shape[3:])
+    kept = torch.zeros_like(flat)
+    rows = slots[slots >= 0]
+    kept[:, rows] = flat[:, rows]
+    return kept.view_as(cache)
 
 
 @GPU

@@ -11,15 +11,16 @@ from pagoda_cuda._triton import next_pow2
 
 @triton.jit
 def _store_kv_kernel(k_ptr, k_stride_t, k_stride_h, v_ptr, v_stride_t, v_stride_h, kc_ptr, vc_ptr,
-                     slot_ptr, k_scale_ptr, v_scale_ptr, limit, num_heads,
+                     stride_cb, stride_cs, stride_ch, page, slot_ptr, k_scale_ptr, v_scale_ptr, limit, num_heads,
                      HEAD: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SCALE: tl.constexpr):
-    # one program per token: [num_heads, HEAD] of K and of V to cache row ``slot``
+    # one program per token: [num_heads, HEAD] of K and of V to cache row ``slot`` (block
+    # slot // page, offset slot % page; the cache strides give the layout)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     heads = tl.arange(0, BLOCK_HEADS)
     d = tl.arange(0, BLOCK_D)
     mask = (heads[:, None] < num_heads) & (d[None, :] < HEAD) & (slot >= 0)
-    row = slot * num_heads * HEAD + heads[:, None] * HEAD + d[None, :]
+    row = (slot // page) * stride_cb + (slot % page) * stride_cs + heads[:, None] * stride_ch + d[None, :]
     k = tl.load(k_ptr + t * k_stride_t + heads[:, None] * k_stride_h + d[None, :], mask=mask, other=0.0)
     v = tl.load(v_ptr + t * v_stride_t + heads[:, None] * v_stride_h + d[None, :], mask=mask, other=0.0)
     k = k.to(tl.float32)
@@ -34,8 +35,9 @@ def _store_kv_kernel(k_ptr, k_stride_t, k_stride_h, v_ptr, v_stride_t, v_stride_
 def store_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """k, v [T, nk, hs] (views with a contiguous last dim are fine) into kv_cache
-    [2, num_blocks, block_size, nk, hs] at the flat slots ``slot_mapping`` [T]; with an fp8
-    cache and float32 0-dim ``k_scale``/``v_scale``, stores clamp(k / k_scale)."""
+    [2, num_blocks, block_size, nk, hs] (any strides but the last; e.g. a head-major cache seen
+    through a transpose) at the flat slots ``slot_mapping`` [T] (block * block_size + offset);
+    with an fp8 cache and float32 0-dim ``k_scale``/``v_scale``, stores clamp(k / k_scale)."""
     t = k.shape[0]
     if t == 0:
         return
@@ -46,12 +48,14 @@ def store_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    if not kv_cache.is_contiguous():
-        raise ValueError("store_kv_cache needs a contiguous kv_cache [2, num_blocks, block_size, nk, hs]")
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("store_kv_cache needs a kv_cache [2, num_blocks, block_size, nk, hs] with a contiguous "
+                         "last dim")
     block_heads, block_d = next_pow2(nk), next_pow2(hs)
     has_scale = k_scale is not None
     limit = float(torch.finfo(kv_cache.dtype).max) if has_scale else 0.0
     _store_kv_kernel[(t,)](k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), kv_cache[0], kv_cache[1],
+                           kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.shape[2],
                            slot_mapping, k_scale if has_scale else slot_mapping, v_scale if has_scale else slot_mapping,
                            limit, nk, HEAD=hs, BLOCK_HEADS=block_heads, BLOCK_D=block_d, HAS_SCALE=has_scale,
                            num_warps=4 if block_heads * block_d <= 4096 else 8)
