@@ -90,6 +90,45 @@ def bench_prefill(rows: list, nq: int, nk: int, hd: int, seqs: int, length: int,
                      "seconds": t, "TFLOP/s": flops / t / 1e12})
 
 
+def bench_mla_decode(rows: list, batch: int, ctx: int, sweep: bool, heads: int = 128, lora: int = 512,
+                     rope: int = 64) -> None:
+    """DeepSeek-V3's MLA decode over the latent cache: the chosen tile and, with ``sweep``, wider
+    head blocks (BLOCK_H, BLOCK_N, num_warps, num_stages)."""
+    from pagoda_cuda.attention.mla_decode import mla_config, mla_decode
+
+    blocks = batch * (-(-ctx // 16))
+    cache = torch.randn(blocks, 16, lora + rope, device="cuda", dtype=torch.bfloat16)
+    tables = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(batch, -1)
+    lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+    q_lat = torch.randn(batch, heads, lora, device="cuda", dtype=torch.bfloat16)
+    q_pe = torch.randn(batch, heads, rope, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q_lat)
+    nbytes = batch * ctx * (lora + rope) * 2
+    flops = batch * heads * ctx * (2 * lora + rope) * 2
+    configs = [mla_config(lora)]
+    if sweep:
+        configs += [(16, 64, 8, 2), (32, 32, 8, 2), (32, 16, 8, 2), (32, 32, 4, 2), (64, 16, 8, 2), (64, 32, 8, 2),
+                    (64, 16, 8, 3), (64, 32, 8, 1)]
+    for cfg in dict.fromkeys(configs):
+        splits = choose_splits_for(batch, heads, ctx, cfg[0])
+        try:
+            t = _bench(lambda cfg=cfg, splits=splits: mla_decode(q_lat, q_pe, cache, tables, lens, out, 0.1, splits,
+                                                                 config=cfg))
+        except Exception as exc:
+            rows.append({"kernel": "mla decode", "shape": f"B{batch} ctx{ctx} h{heads}", "config": cfg,
+                         "error": str(exc).splitlines()[0][:120]})
+            continue
+        rows.append({"kernel": "mla decode", "shape": f"B{batch} ctx{ctx} h{heads} splits{splits}", "config": cfg,
+                     "seconds": t, "GB/s": nbytes / t / 1e9, "TFLOP/s": flops / t / 1e12})
+
+
+def choose_splits_for(batch: int, heads: int, ctx: int, block_h: int) -> int:
+    """The split count ``mla_splits`` gives a head block of ``block_h``."""
+    from pagoda_cuda.attention.decode import choose_splits
+
+    return choose_splits(batch, -(-heads // block_h), ctx, torch.device("cuda"))
+
+
 def bench_moe(rows: list, tokens: int, hidden: int, inner: int, experts: int, topk: int,
               groups: tuple[int, ...] = ()) -> None:
     """The chosen tiles, and the same tiles with each GROUP_M of ``groups`` (1: the plain
@@ -245,26 +284,33 @@ def main(argv=None) -> int:
                         "write the fastest per shape and load to FILE")
     parser.add_argument("--install-tuned", action="store_true", help="with --tune-moe: also install the table "
                         "into this package's configs/ (used from then on)")
+    parser.add_argument("--only", help="comma-separated sections to time (decode, prefill, mla, moe, small, "
+                        "gemm); default: all")
     args = parser.parse_args(argv)
     rows: list[dict] = []
     steps = []
     if args.tune_moe:
         steps.append(lambda: tune_moe(rows, args.tune_moe, args.install_tuned))
-    steps += [
-        lambda: bench_decode(rows, 16, 8, 128, 256, 640, not args.no_sweep),  # qwen3-0.6b
-        lambda: bench_decode(rows, 16, 8, 128, 256, 524, not args.no_sweep),  # its mean context in the benchmark
-        lambda: bench_decode(rows, 32, 32, 96, 256, 640, not args.no_sweep),  # phi3-mini
-        lambda: bench_decode(rows, 32, 4, 128, 256, 640, False),  # qwen3-30b-a3b
-        lambda: bench_decode(rows, 16, 8, 128, 4, 16384, False),  # long context, split
-        lambda: bench_prefill(rows, 16, 8, 128, 16, 512, not args.no_sweep),
-        lambda: bench_prefill(rows, 32, 32, 96, 16, 512, not args.no_sweep),
-        lambda: bench_prefill(rows, 32, 4, 128, 16, 512, False),  # qwen3-30b-a3b
-        lambda: bench_moe(rows, 256, 2048, 768, 128, 8, (1, 4)),  # qwen3-30b-a3b decode
-        lambda: bench_moe(rows, 8192, 2048, 768, 128, 8, (1, 4, 16)),  # its prefill step
-        lambda: bench_moe(rows, 8192, 7168, 2048, 256, 8, (1, 4, 16)),  # deepseek-v3-4l prefill step
-        lambda: bench_small_ops(rows, 256),
-        lambda: bench_decode_gemms(rows),
+    sweep = not args.no_sweep
+    sections = [
+        ("decode", lambda: bench_decode(rows, 16, 8, 128, 256, 640, sweep)),  # qwen3-0.6b
+        ("decode", lambda: bench_decode(rows, 16, 8, 128, 256, 524, sweep)),  # its mean context in the benchmark
+        ("decode", lambda: bench_decode(rows, 32, 32, 96, 256, 640, sweep)),  # phi3-mini
+        ("decode", lambda: bench_decode(rows, 32, 4, 128, 256, 640, False)),  # qwen3-30b-a3b
+        ("decode", lambda: bench_decode(rows, 16, 8, 128, 4, 16384, False)),  # long context, split
+        ("prefill", lambda: bench_prefill(rows, 16, 8, 128, 16, 512, sweep)),
+        ("prefill", lambda: bench_prefill(rows, 32, 32, 96, 16, 512, sweep)),
+        ("prefill", lambda: bench_prefill(rows, 32, 4, 128, 16, 512, False)),  # qwen3-30b-a3b
+        ("mla", lambda: bench_mla_decode(rows, 256, 520, sweep)),  # deepseek-v3-4l decode
+        ("mla", lambda: bench_mla_decode(rows, 256, 640, sweep)),
+        ("moe", lambda: bench_moe(rows, 256, 2048, 768, 128, 8, (1, 4))),  # qwen3-30b-a3b decode
+        ("moe", lambda: bench_moe(rows, 8192, 2048, 768, 128, 8, (1, 4, 16))),  # its prefill step
+        ("moe", lambda: bench_moe(rows, 8192, 7168, 2048, 256, 8, (1, 4, 16))),  # deepseek-v3-4l prefill step
+        ("small", lambda: bench_small_ops(rows, 256)),
+        ("gemm", lambda: bench_decode_gemms(rows)),
     ]
+    wanted = set(args.only.split(",")) if args.only else {name for name, _ in sections}
+    steps += [step for name, step in sections if name in wanted]
     for step in steps:
         try:
             step()

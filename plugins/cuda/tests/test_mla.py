@@ -84,6 +84,17 @@ def test_mla_decode_splits(device):
     run_case(device, torch.float32, [(70, 1), (3, 1)], heads=20, splits=4, seed=1)  # 2 head blocks
 
 
+@pytest.mark.parametrize("config", [(32, 16, 4, 2), (64, 32, 8, 2)])
+def test_mla_decode_head_blocks(device, config, monkeypatch):
+    """Wider head blocks (the tiles ``kernel_bench`` sweeps): 40 heads in a full and a partial
+    block of 32 or one partial block of 64, with and without context splits."""
+    import pagoda_cuda.attention.mla_decode as mla
+
+    monkeypatch.setattr(mla, "mla_config", lambda lora: config)
+    run_case(device, torch.float32, [(70, 1), (3, 1), (40, 1)], heads=40, seed=2)
+    run_case(device, torch.float32, [(70, 1), (3, 1)], heads=40, splits=3, seed=3)
+
+
 def test_mla_fp8_cache_with_scale(device):
     """Stored as entry / k_scale, read back times it by the decode kernel and the prefill expansion."""
     run_case(device, torch.float32, [(5, 1), (30, 1), (0, 11), (9, 14)], kv_scale=0.25)

@@ -95,7 +95,7 @@ class TritonMLAAttention(AttentionBackend):
         if nd:
             splits = data.num_splits.get(heads)
             if splits is None:
-                splits = data.num_splits[heads] = mla_splits(nd, heads, meta.max_seq_len, q_nope.device)
+                splits = data.num_splits[heads] = mla_splits(nd, heads, meta.max_seq_len, q_nope.device, lora)
             q_lat = torch.bmm(q_nope[:nd].transpose(0, 1), w_uk).transpose(0, 1)  # [nd, N, L]
             o_lat = torch.empty((nd, heads, lora), dtype=q_nope.dtype, device=q_nope.device)
             q_pe_d = q_pe[:nd] if q_pe.stride(-1) == 1 else q_pe[:nd].contiguous()

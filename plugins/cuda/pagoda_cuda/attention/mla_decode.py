@@ -6,7 +6,9 @@ scale for latent and k_pe, as ``pagoda.layers.mla`` says); both kernels take it.
 ``mla_decode`` attends one query token per sequence over the latent with the absorbed
 query (``q_lat = q_nope @ w_uk``, [B, N, L]): score = q_lat . c + q_pe . k_pe and the
 output is the probability-weighted latent (the caller applies ``w_uv``). One program per
-(sequence, block of 16 heads, split of the context); splits are merged as in ``decode``.
+(sequence, block of BLOCK_H heads, split of the context); splits are merged as in ``decode``.
+Each program reads its sequence's latent tiles once for all its heads, so wider head blocks
+read the cache fewer times and give the matrix units taller tiles (``mla_config``).
 """
 
 from __future__ import annotations
@@ -149,20 +151,32 @@ def _mla_decode_kernel(ql_ptr, stride_qlb, stride_qlh, qp_ptr, stride_qpb, strid
         tl.store(part_lse_ptr + base, tl.where(empty, float("-inf"), m_i + tl.log2(safe_l)), mask=hmask)
 
 
+# (BLOCK_H, BLOCK_N, num_warps, num_stages) for the latent widths DeepSeek uses (512 + 64)
+MLA_DECODE_CONFIG = (16, 32, 8, 2)
+
+
+def mla_config(lora: int) -> tuple[int, int, int, int]:
+    """The decode tile for a latent width: ``MLA_DECODE_CONFIG`` for wide latents, narrower
+    tiles with four warps for the small latents of tests and small models."""
+    if max(16, next_pow2(lora)) >= 512:
+        return MLA_DECODE_CONFIG
+    return 16, 32, 4, 2
+
+
 def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, out: torch.Tensor, scale: float, num_splits: int,
-               kv_scale: torch.Tensor | None = None) -> None:
+               kv_scale: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None) -> None:
     """q_lat [B, N, L], q_pe [B, N, R] (last dims contiguous), kv_cache [num_blocks, block_size,
     L + R], block_tables [B, W], seq_lens [B] -> out [B, N, L] (probability-weighted latents).
-    ``kv_scale`` (float32 0-dim): an fp8 cache holding entry / kv_scale."""
+    ``kv_scale`` (float32 0-dim): an fp8 cache holding entry / kv_scale. ``config`` (BLOCK_H,
+    BLOCK_N, num_warps, num_stages) overrides ``mla_config`` (kernel sweeps)."""
     b, heads, lora = q_lat.shape
     if b == 0:
         return
     rope = q_pe.shape[-1]
     page = kv_cache.shape[1]
-    block_h = 16
     block_l, block_r = max(16, next_pow2(lora)), max(16, next_pow2(rope))
-    block_n = 32 if block_l <= 512 else 16
+    block_h, block_n, num_warps, num_stages = config or mla_config(lora)
     if num_splits > 1:
         part_out = torch.empty((b, heads, num_splits, block_l), dtype=torch.float32, device=q_lat.device)
         part_lse = torch.empty((b, heads, num_splits), dtype=torch.float32, device=q_lat.device)
@@ -176,12 +190,11 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         kv_scale if kv_scale is not None else seq_lens, heads, LORA=lora, ROPE=rope,
         BLOCK_H=block_h, BLOCK_L=block_l, BLOCK_R=block_r, BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits,
         UPCAST=interpreting(), IEEE=q_lat.dtype == torch.float32, HAS_SCALE=kv_scale is not None,
-        num_warps=8 if block_l >= 512 else 4,
-        num_stages=2)
+        num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _merge_kernel[(b, heads)](part_out, part_lse, out, out.stride(0), out.stride(1), HEAD=lora, BLOCK_D=block_l,
                                   NUM_SPLITS=num_splits, BLOCK_S=max(2, next_pow2(num_splits)), num_warps=4)
 
 
-def mla_splits(num_seqs: int, num_heads: int, max_seq_len: int, device: torch.device) -> int:
-    return choose_splits(num_seqs, triton.cdiv(num_heads, 16), max_seq_len, device)
+def mla_splits(num_seqs: int, num_heads: int, max_seq_len: int, device: torch.device, lora: int = 512) -> int:
+    return choose_splits(num_seqs, triton.cdiv(num_heads, mla_config(lora)[0]), max_seq_len, device)
