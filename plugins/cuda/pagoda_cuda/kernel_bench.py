@@ -107,8 +107,8 @@ def bench_mla_decode(rows: list, batch: int, ctx: int, sweep: bool, heads: int =
     flops = batch * heads * ctx * (2 * lora + rope) * 2
     configs = [mla_config(lora)]
     if sweep:
-        configs += [(16, 64, 8, 2), (32, 32, 8, 2), (32, 16, 8, 2), (32, 32, 4, 2), (64, 16, 8, 2), (64, 32, 8, 2),
-                    (64, 16, 8, 3), (64, 32, 8, 1)]
+        configs += [(16, 32, 8, 2), (32, 32, 8, 2), (16, 32, 4, 2), (16, 64, 4, 2), (32, 64, 4, 2), (32, 16, 4, 2),
+                    (32, 32, 4, 3), (32, 32, 4, 1), (64, 32, 4, 2), (64, 32, 8, 2)]
     for cfg in dict.fromkeys(configs):
         splits = choose_splits_for(batch, heads, ctx, cfg[0])
         try:
