@@ -296,7 +296,7 @@ def main(argv=None) -> int:
         ("decode", lambda: bench_decode(rows, 16, 8, 128, 256, 640, sweep)),  # qwen3-0.6b
         ("decode", lambda: bench_decode(rows, 16, 8, 128, 256, 524, sweep)),  # its mean context in the benchmark
         ("decode", lambda: bench_decode(rows, 32, 32, 96, 256, 640, sweep)),  # phi3-mini
-        ("decode", lambda: bench_decode(rows, 32, 4, 128, 256, 640, False)),  # qwen3-30b-a3b
+        ("decode", lambda: bench_decode(rows, 32, 4, 128, 256, 640, sweep)),  # qwen3-30b-a3b
         ("decode", lambda: bench_decode(rows, 16, 8, 128, 4, 16384, False)),  # long context, split
         ("prefill", lambda: bench_prefill(rows, 16, 8, 128, 16, 512, sweep)),
         ("prefill", lambda: bench_prefill(rows, 32, 32, 96, 16, 512, sweep)),
