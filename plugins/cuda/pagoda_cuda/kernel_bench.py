@@ -122,6 +122,41 @@ def bench_mla_decode(rows: list, batch: int, ctx: int, sweep: bool, heads: int =
                      "seconds": t, "GB/s": nbytes / t / 1e9, "TFLOP/s": flops / t / 1e12})
 
 
+def bench_mla_prefill(rows: list, seqs: int, length: int, sweep: bool, heads: int = 128, nope: int = 128,
+                      rope: int = 64, v: int = 128) -> None:
+    """DeepSeek-V3's prefill attention over the expanded latents (keys P + R = 192 wide, values
+    128, one-token pages) as ``triton_mla`` runs it: the chosen tile and, with ``sweep``, others."""
+    from pagoda_cuda.attention.prefill import build_tile_map, paged_prefill, prefill_config
+
+    total = seqs * length
+    kv = torch.randn(total, heads, nope + v, device="cuda", dtype=torch.bfloat16)
+    pe = torch.randn(total, 1, rope, device="cuda", dtype=torch.bfloat16).expand(total, heads, rope)
+    keys = torch.cat((kv[..., :nope], pe), dim=-1).unsqueeze(1)
+    values = kv[..., nope:].unsqueeze(1)
+    q = torch.randn(total, heads, nope + rope, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(total, heads, v, device="cuda", dtype=torch.bfloat16)
+    tables = torch.arange(total, device="cuda", dtype=torch.int32).view(seqs, length)
+    lens = torch.full((seqs,), length, device="cuda", dtype=torch.int32)
+    qsl = [i * length for i in range(seqs + 1)]
+    qsl_t = torch.tensor(qsl, device="cuda", dtype=torch.int32)
+    flops = seqs * heads * (nope + rope + v) * 2 * length * (length + 1) / 2
+    configs = [prefill_config(nope + rope)]
+    if sweep:
+        configs += [(64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (64, 16, 4, 2), (32, 32, 4, 2), (64, 32, 8, 3)]
+    for cfg in dict.fromkeys(configs):
+        tiles = torch.from_numpy(build_tile_map(qsl, 0, cfg[0])).cuda()
+        shape = f"{seqs}x{length} h{heads} k{nope + rope} v{v}"
+        try:
+            t = _bench(lambda cfg=cfg, tiles=tiles: paged_prefill(q, keys, values, tables, lens, qsl_t, tiles, out,
+                                                                  0.07, config=cfg))
+        except Exception as exc:
+            rows.append({"kernel": "mla prefill attention", "shape": shape, "config": cfg,
+                         "error": str(exc).splitlines()[0][:120]})
+            continue
+        rows.append({"kernel": "mla prefill attention", "shape": shape, "config": cfg, "seconds": t,
+                     "TFLOP/s": flops / t / 1e12})
+
+
 def choose_splits_for(batch: int, heads: int, ctx: int, block_h: int) -> int:
     """The split count ``mla_splits`` gives a head block of ``block_h``."""
     from pagoda_cuda.attention.decode import choose_splits
@@ -284,33 +319,34 @@ def main(argv=None) -> int:
                         "write the fastest per shape and load to FILE")
     parser.add_argument("--install-tuned", action="store_true", help="with --tune-moe: also install the table "
                         "into this package's configs/ (used from then on)")
-    parser.add_argument("--only", help="comma-separated sections to time (decode, prefill, mla, moe, small, "
-                        "gemm); default: all")
+    parser.add_argument("--only", help="comma-separated prefixes of the sections to time (e.g. decode, "
+                        "decode:qwen3-30b-a3b, prefill, mla, moe, small, gemm); default: all")
     args = parser.parse_args(argv)
     rows: list[dict] = []
     steps = []
     if args.tune_moe:
         steps.append(lambda: tune_moe(rows, args.tune_moe, args.install_tuned))
     sweep = not args.no_sweep
-    sections = [
-        ("decode", lambda: bench_decode(rows, 16, 8, 128, 256, 640, sweep)),  # qwen3-0.6b
-        ("decode", lambda: bench_decode(rows, 16, 8, 128, 256, 524, sweep)),  # its mean context in the benchmark
-        ("decode", lambda: bench_decode(rows, 32, 32, 96, 256, 640, sweep)),  # phi3-mini
-        ("decode", lambda: bench_decode(rows, 32, 4, 128, 256, 640, sweep)),  # qwen3-30b-a3b
-        ("decode", lambda: bench_decode(rows, 16, 8, 128, 4, 16384, False)),  # long context, split
-        ("prefill", lambda: bench_prefill(rows, 16, 8, 128, 16, 512, sweep)),
-        ("prefill", lambda: bench_prefill(rows, 32, 32, 96, 16, 512, sweep)),
-        ("prefill", lambda: bench_prefill(rows, 32, 4, 128, 16, 512, False)),  # qwen3-30b-a3b
-        ("mla", lambda: bench_mla_decode(rows, 256, 520, sweep)),  # deepseek-v3-4l decode
-        ("mla", lambda: bench_mla_decode(rows, 256, 640, sweep)),
-        ("moe", lambda: bench_moe(rows, 256, 2048, 768, 128, 8, (1, 4))),  # qwen3-30b-a3b decode
-        ("moe", lambda: bench_moe(rows, 8192, 2048, 768, 128, 8, (1, 4, 16))),  # its prefill step
-        ("moe", lambda: bench_moe(rows, 8192, 7168, 2048, 256, 8, (1, 4, 16))),  # deepseek-v3-4l prefill step
+    sections = [  # (name, step); --only takes name prefixes
+        ("decode:qwen3-0.6b", lambda: bench_decode(rows, 16, 8, 128, 256, 640, sweep)),
+        ("decode:qwen3-0.6b-524", lambda: bench_decode(rows, 16, 8, 128, 256, 524, sweep)),  # its mean context
+        ("decode:phi3-mini", lambda: bench_decode(rows, 32, 32, 96, 256, 640, sweep)),
+        ("decode:qwen3-30b-a3b", lambda: bench_decode(rows, 32, 4, 128, 256, 640, sweep)),
+        ("decode:long", lambda: bench_decode(rows, 16, 8, 128, 4, 16384, False)),  # long context, split
+        ("prefill:qwen3-0.6b", lambda: bench_prefill(rows, 16, 8, 128, 16, 512, sweep)),
+        ("prefill:phi3-mini", lambda: bench_prefill(rows, 32, 32, 96, 16, 512, sweep)),
+        ("prefill:qwen3-30b-a3b", lambda: bench_prefill(rows, 32, 4, 128, 16, 512, False)),
+        ("mla:decode", lambda: bench_mla_decode(rows, 256, 520, sweep)),  # deepseek-v3-4l decode
+        ("mla:decode-640", lambda: bench_mla_decode(rows, 256, 640, sweep)),
+        ("mla:prefill", lambda: bench_mla_prefill(rows, 16, 512, sweep)),
+        ("moe:qwen3-30b-a3b", lambda: bench_moe(rows, 256, 2048, 768, 128, 8, (1, 4))),  # decode
+        ("moe:qwen3-30b-a3b-prefill", lambda: bench_moe(rows, 8192, 2048, 768, 128, 8, (1, 4, 16))),
+        ("moe:deepseek-v3-4l-prefill", lambda: bench_moe(rows, 8192, 7168, 2048, 256, 8, (1, 4, 16))),
         ("small", lambda: bench_small_ops(rows, 256)),
         ("gemm", lambda: bench_decode_gemms(rows)),
     ]
-    wanted = set(args.only.split(",")) if args.only else {name for name, _ in sections}
-    steps += [step for name, step in sections if name in wanted]
+    wanted = tuple(args.only.split(",")) if args.only else ("",)
+    steps += [step for name, step in sections if name.startswith(wanted)]
     for step in steps:
         try:
             step()

@@ -3,7 +3,8 @@
 Decodes attend over the latent with the absorbed projections (``mla_decode``), bracketed by
 two batched matmuls (q_nope @ w_uk before, latent @ w_uv^T after); graph-capturable. Prefill
 chunks expand each prefill sequence's cached latents into per-head keys [S, N, P + R] and
-values [S, N, V] and run the paged prefill kernel over them as a cache of one-token pages.
+values [S, N, V] (one GEMM; the values stay a view of its output) and run the paged prefill
+kernel over them as a cache of one-token pages.
 An fp8 cache holds entry / ``layer.kv_scales["k_scale"]``: stored, decoded and expanded with it.
 """
 
@@ -124,10 +125,13 @@ class TritonMLAAttention(AttentionBackend):
         entries = (entries.float() * kv_scale if kv_scale is not None else entries).to(q_nope.dtype)
         latent, rope = entries[:, :lora], entries[:, lora:]
         total = idx["total"]
-        keys = torch.empty((total, 1, heads, nope + rope.shape[-1]), dtype=q_nope.dtype, device=q_nope.device)
-        keys[:, 0, :, :nope] = torch.matmul(latent.unsqueeze(0), w_uk.transpose(1, 2)).transpose(0, 1)
-        keys[:, 0, :, nope:] = rope.unsqueeze(1)
-        values = torch.matmul(latent.unsqueeze(0), w_uv.transpose(1, 2)).transpose(0, 1).unsqueeze(1)
+        # one GEMM expands the latents into every head's [k_nope | v] row (the kv_b projection);
+        # the values are read from it in place, the keys get the shared rotary part appended
+        expansion = torch.cat((w_uk, w_uv), dim=1).reshape(-1, lora)  # [N * (P + V), L]; a 34 MB copy for V3
+        kv = torch.nn.functional.linear(latent, expansion).view(total, heads, -1)
+        rope = rope.unsqueeze(1).expand(total, heads, rope.shape[-1])
+        keys = torch.cat((kv[..., :nope], rope), dim=-1).unsqueeze(1)  # [S, 1, N, P + R]
+        values = kv[..., nope:].unsqueeze(1)  # [S, 1, N, V], a strided view
         q = torch.cat((q_nope, q_pe), dim=-1)
         block_m = prefill_config(max(keys.shape[-1], values.shape[-1]))[0]
         tiles = device_tile_map(idx["tile_maps"], idx["qsl_host"], 0, block_m, q.device)
