@@ -140,9 +140,9 @@ def bench_mla_prefill(rows: list, seqs: int, length: int, sweep: bool, heads: in
     qsl = [i * length for i in range(seqs + 1)]
     qsl_t = torch.tensor(qsl, device="cuda", dtype=torch.int32)
     flops = seqs * heads * (nope + rope + v) * 2 * length * (length + 1) / 2
-    configs = [prefill_config(nope + rope)]
+    configs = [prefill_config(nope + rope, v)]
     if sweep:
-        configs += [(64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (64, 16, 4, 2), (32, 32, 4, 2), (64, 32, 8, 3)]
+        configs += [(64, 32, 8, 2), (64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 3), (128, 64, 8, 2), (128, 16, 8, 2)]
     for cfg in dict.fromkeys(configs):
         tiles = torch.from_numpy(build_tile_map(qsl, 0, cfg[0])).cuda()
         shape = f"{seqs}x{length} h{heads} k{nope + rope} v{v}"

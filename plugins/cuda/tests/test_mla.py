@@ -95,6 +95,15 @@ def test_mla_decode_head_blocks(device, config, monkeypatch):
     run_case(device, torch.float32, [(70, 1), (3, 1)], heads=40, splits=3, seed=3)
 
 
+def test_mla_prefill_wide_keys(device):
+    """Keys over 128 wide with values up to 128 (DeepSeek's 192 and 128) take the 128-row query
+    tiles of ``prefill_config``; a chunk of 70 new tokens spans one and a part of a second."""
+    from pagoda_cuda.attention.prefill import prefill_config
+
+    assert prefill_config(120 + 16, 64)[0] == 128
+    run_case(device, torch.float32, [(5, 1), (0, 70), (9, 30)], heads=2, nope=120, rope=16, v=64, lora=32)
+
+
 def test_mla_fp8_cache_with_scale(device):
     """Stored as entry / k_scale, read back times it by the decode kernel and the prefill expansion."""
     run_case(device, torch.float32, [(5, 1), (30, 1), (0, 11), (9, 14)], kv_scale=0.25)

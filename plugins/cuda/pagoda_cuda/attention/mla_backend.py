@@ -133,6 +133,6 @@ class TritonMLAAttention(AttentionBackend):
         keys = torch.cat((kv[..., :nope], rope), dim=-1).unsqueeze(1)  # [S, 1, N, P + R]
         values = kv[..., nope:].unsqueeze(1)  # [S, 1, N, V], a strided view
         q = torch.cat((q_nope, q_pe), dim=-1)
-        block_m = prefill_config(max(keys.shape[-1], values.shape[-1]))[0]
+        block_m = prefill_config(keys.shape[-1], values.shape[-1])[0]
         tiles = device_tile_map(idx["tile_maps"], idx["qsl_host"], 0, block_m, q.device)
         paged_prefill(q, keys, values, idx["tables"], idx["seq_lens"], idx["qsl"], tiles, out, spec.scale)
