@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from pagoda.layers.moe_grouping import group_pairs_by_expert
 
 from pagoda_cuda._triton import interpreting, next_pow2
 
@@ -162,49 +163,21 @@ _triton_align_ok = True
 
 
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(pair ids [max_blocks*block_m] grouped by expert, each expert's run padded to a multiple
-    of block_m with num_pairs, expert of each block [max_blocks] (num_experts past the end),
-    max_blocks). Device work only, no host sync (graph-capturable)."""
+    """``pagoda.layers.moe_grouping.group_pairs_by_expert``'s contract: one Triton launch up to
+    TRITON_ALIGN_MAX_PAIRS pairs, the core's torch ops beyond."""
     global _triton_align_ok
     if _triton_align_ok and topk_ids.numel() <= TRITON_ALIGN_MAX_PAIRS:
         try:
             from pagoda_cuda.ops.moe_align import align_triton
 
             return align_triton(topk_ids, num_experts, block_m)
-        except Exception as exc:  # a Triton build problem here: the torch ops below do the same
+        except Exception as exc:  # a Triton build problem here: the core's torch ops do the same
             if topk_ids.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise
             _triton_align_ok = False
             logger.warning("fused_moe: the Triton grouping kernel failed (%s: %s); using torch ops",
                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-    return align_torch(topk_ids, num_experts, block_m)
-
-
-def align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``align`` with torch ops: a stable sort by expert (pairs keep their order in a run)."""
-    device = topk_ids.device
-    flat = topk_ids.reshape(-1).long()
-    num_pairs = flat.numel()
-    max_blocks = -(-num_pairs // block_m) + num_experts
-    key = torch.where((flat >= 0) & (flat < num_experts), flat, torch.full_like(flat, num_experts))
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
-    counts.scatter_add_(0, key, torch.ones_like(key))
-    blocks = (counts + block_m - 1) // block_m
-    blocks[num_experts:].zero_()  # invalid pairs get no block (a device fill: graph-capturable)
-    block_end = torch.cumsum(blocks, 0)
-    block_start = block_end - blocks
-    order = torch.argsort(key, stable=True)
-    sorted_key = key.index_select(0, order)
-    run_start = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(num_pairs, device=device) - run_start.index_select(0, sorted_key)
-    dest = block_start.index_select(0, sorted_key) * block_m + rank
-    dummy = max_blocks * block_m  # invalid pairs land in one extra slot, cut off below
-    dest = torch.where(sorted_key < num_experts, dest, torch.full_like(dest, dummy))
-    pairs = torch.full((dummy + 1,), num_pairs, dtype=torch.int32, device=device)
-    pairs.scatter_(0, dest, order.to(torch.int32))
-    block_ids = torch.arange(max_blocks, device=device)
-    block_expert = torch.searchsorted(block_end[:num_experts].contiguous(), block_ids, right=True).to(torch.int32)
-    return pairs[:dummy], block_expert, max_blocks
+    return group_pairs_by_expert(topk_ids, num_experts, block_m)
 
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"

@@ -1,6 +1,6 @@
 """Grouping (token, expert) pairs by expert for the fused-MoE GEMMs, in one small launch.
 
-The torch version (``pagoda_cuda.ops.moe.align_torch``) takes about a dozen launches (sort,
+The torch version (``pagoda.layers.moe_grouping.group_pairs_by_expert``) takes about a dozen launches (sort,
 scatter, cumsum, searchsorted, fills); at decode batch sizes those launches cost more than
 the work, once per MoE layer and step. This kernel does it in one program: a histogram of
 the expert ids, each expert's run padded to BLOCK_M (a cumulative sum), the expert of every
@@ -55,7 +55,7 @@ def _align_kernel(ids_ptr, num_pairs, num_experts, max_blocks, cursor_ptr, pairs
 
 
 def align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Same contract as ``pagoda_cuda.ops.moe.align_torch``."""
+    """Same contract as ``pagoda.layers.moe_grouping.group_pairs_by_expert``."""
     flat = topk_ids.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()

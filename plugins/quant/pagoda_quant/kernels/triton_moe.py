@@ -149,29 +149,12 @@ def _down_kernel(x_ptr, stride_xt, w_ptr, s_ptr, z_ptr, stride_we, stride_wa, st
 
 
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(sorted pair ids [padded rows] with num_pairs as filler, expert of each block, num_pairs)."""
-    num_pairs = topk_ids.numel()
-    ids = topk_ids.reshape(-1).long()
-    ids = torch.where((ids >= 0) & (ids < num_experts), ids, torch.full_like(ids, num_experts))
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=ids.device)
-    counts.scatter_add_(0, ids, torch.ones_like(ids))
-    counts = counts[:num_experts]
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_start = torch.cumsum(padded, 0) - padded  # first padded row of each expert
-    start = torch.cumsum(counts, 0) - counts  # first sorted pair of each expert
-    max_rows = triton.cdiv(num_pairs, block_m) * block_m + num_experts * block_m
-    order = torch.argsort(ids, stable=True)
-    sorted_ids = ids[order]
-    valid = sorted_ids < num_experts
-    expert_of = sorted_ids.clamp(max=num_experts - 1)
-    position = padded_start[expert_of] + torch.arange(num_pairs, device=ids.device) - start[expert_of]
-    position = torch.where(valid, position, torch.full_like(position, max_rows))  # dropped: past the end
-    pairs = torch.full((max_rows + 1,), num_pairs, dtype=torch.int32, device=ids.device)
-    pairs.scatter_(0, position, order.to(torch.int32))
-    block_ends = torch.cumsum(padded, 0) // block_m  # blocks [end[e-1], end[e]) belong to expert e
-    blocks = torch.arange(max_rows // block_m, device=ids.device)
-    block_expert = torch.searchsorted(block_ends, blocks, right=True).to(torch.int32)  # E past the end
-    return pairs[:max_rows], block_expert, num_pairs
+    """(sorted pair ids [padded rows] with num_pairs as filler, expert of each block, num_pairs):
+    ``pagoda.layers.moe_grouping.group_pairs_by_expert``'s grouping."""
+    from pagoda.layers.moe_grouping import group_pairs_by_expert
+
+    pairs, block_expert, _ = group_pairs_by_expert(topk_ids, num_experts, block_m)
+    return pairs, block_expert, topk_ids.numel()
 
 
 def _weight_args(w) -> tuple:
