@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from pagoda.forward_context import AttentionMetadata
+from pagoda.kernels.host_upload import upload
 from pagoda.scheduler import SchedulerOutput
 from pagoda.sequence import Sequence
 
@@ -64,13 +65,8 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, device: torch.devic
     sample_rows = [i for i, it in enumerate(items) if it.sample]
     sample_idx = qsl[1:][sample_rows] - 1
 
-    pin = device.type == "cuda"
-
     def dev(a: np.ndarray) -> torch.Tensor:
-        host = torch.from_numpy(np.ascontiguousarray(a))
-        # pinned, so the upload never waits for work queued before it (a pipelined step is
-        # built while the previous one runs); the caching host allocator recycles the buffers
-        return (host.pin_memory() if pin else host).to(device, non_blocking=True)
+        return upload(a, device)  # never waits for the step in flight (a pipelined step is built meanwhile)
 
     meta = AttentionMetadata(
         num_tokens=t, num_seqs=n, num_decodes=out.num_decodes,

@@ -23,8 +23,10 @@ from __future__ import annotations
 import itertools
 import time
 
+import numpy as np
 import torch
 
+from pagoda.kernels.host_upload import upload
 from pagoda.scheduler import PENDING_TOKEN, SchedulerOutput
 
 
@@ -60,10 +62,7 @@ class StepPipeline:
                 picks.append(index[it.seq.seq_id])
         if not rows:
             return None
-        host = torch.tensor([rows, picks], dtype=torch.int64)
-        if tokens.is_cuda:  # a pageable upload could wait for the step in flight
-            host = host.pin_memory()
-        both = host.to(tokens.device, non_blocking=True)
+        both = upload(np.array([rows, picks], dtype=np.int64), tokens.device)  # not waiting for the step in flight
         return tokens, both[0], both[1]
 
     def step(self, finished_only: bool) -> list | None:

@@ -65,7 +65,7 @@ class TritonMLAAttention(AttentionBackend):
             width = int(lens.max())
             tables = np.where(np.arange(width)[None, :] < lens[:, None], offsets[:-1, None] + np.arange(width), 0)
 
-            from pagoda_cuda.attention.prefill import upload
+            from pagoda.kernels.host_upload import upload
 
             def dev(a, dtype):
                 return upload(a, device, dtype)

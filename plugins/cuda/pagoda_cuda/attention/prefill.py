@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
+from pagoda.kernels.host_upload import upload
 
 from pagoda_cuda._triton import interpreting, next_pow2
 
@@ -175,21 +176,9 @@ def prefill_config(head: int, head_v: int | None = None) -> tuple[int, int, int,
     return 64, 32, 4, 2
 
 
-def upload(array: np.ndarray, device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A host array on the device, copied from pinned memory without waiting: a copy from
-    pageable memory may wait for all the work queued before it (inside the first layer, or
-    for the whole previous step when the engine pipelines steps)."""
-    host = torch.from_numpy(np.ascontiguousarray(array))
-    if dtype is not None:
-        host = host.to(dtype)
-    if getattr(device, "type", device) == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
-
-
 def device_tile_map(maps: dict, query_start_loc: list[int], first_seq: int, block_m: int, device) -> torch.Tensor:
-    """The step's tile map for ``block_m`` (``build_tile_map``), built and uploaded (``upload``)
-    on first use and kept in ``maps``."""
+    """The step's tile map for ``block_m`` (``build_tile_map``), built and uploaded
+    (``pagoda.kernels.host_upload``) on first use and kept in ``maps``."""
     tiles = maps.get(block_m)
     if tiles is None:
         tiles = maps[block_m] = upload(build_tile_map(query_start_loc, first_seq, block_m), device)

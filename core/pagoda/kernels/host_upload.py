@@ -1,0 +1,23 @@
+"""Host arrays to the device without waiting for the device.
+
+A copy from pageable host memory may wait for all the work queued before it on the stream
+(inside a model's first layer, or the whole previous step when the engine launches steps
+ahead); from pinned memory it is queued like a kernel. The caching host allocator recycles
+the pinned buffers. Used for each step's inputs (``pagoda.engine.inputs``) and by kernels
+that build per-step index tensors on the host (pagoda-cuda's prefill tile maps).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def upload(array: np.ndarray, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``array`` (optionally converted to ``dtype``) on ``device``, copied without waiting."""
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    if dtype is not None:
+        host = host.to(dtype)
+    if getattr(device, "type", device) == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
