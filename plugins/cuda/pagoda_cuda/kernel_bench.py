@@ -124,16 +124,17 @@ def bench_mla_decode(rows: list, batch: int, ctx: int, sweep: bool, heads: int =
 
 def bench_mla_prefill(rows: list, seqs: int, length: int, sweep: bool, heads: int = 128, nope: int = 128,
                       rope: int = 64, v: int = 128) -> None:
-    """DeepSeek-V3's prefill attention over the expanded latents (keys P + R = 192 wide, values
-    128, one-token pages) as ``triton_mla`` runs it: the chosen tile and, with ``sweep``, others."""
+    """DeepSeek-V3's prefill attention over the expanded latents (keys P + R = 192 wide from two
+    tensors, values 128, one-token pages) as ``triton_mla`` runs it: the chosen tile and, with
+    ``sweep``, others."""
     from pagoda_cuda.attention.prefill import build_tile_map, paged_prefill, prefill_config
 
     total = seqs * length
-    kv = torch.randn(total, heads, nope + v, device="cuda", dtype=torch.bfloat16)
-    pe = torch.randn(total, 1, rope, device="cuda", dtype=torch.bfloat16).expand(total, heads, rope)
-    keys = torch.cat((kv[..., :nope], pe), dim=-1).unsqueeze(1)
-    values = kv[..., nope:].unsqueeze(1)
-    q = torch.randn(total, heads, nope + rope, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(total, heads, nope + v, device="cuda", dtype=torch.bfloat16)  # the expansion GEMM's output
+    keys, values = kv[..., :nope].unsqueeze(1), kv[..., nope:].unsqueeze(1)
+    k_rope = torch.randn(total, 1, rope, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(total, heads, nope, device="cuda", dtype=torch.bfloat16)
+    q_rope = torch.randn(total, heads, rope, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(total, heads, v, device="cuda", dtype=torch.bfloat16)
     tables = torch.arange(total, device="cuda", dtype=torch.int32).view(seqs, length)
     lens = torch.full((seqs,), length, device="cuda", dtype=torch.int32)
@@ -148,7 +149,7 @@ def bench_mla_prefill(rows: list, seqs: int, length: int, sweep: bool, heads: in
         shape = f"{seqs}x{length} h{heads} k{nope + rope} v{v}"
         try:
             t = _bench(lambda cfg=cfg, tiles=tiles: paged_prefill(q, keys, values, tables, lens, qsl_t, tiles, out,
-                                                                  0.07, config=cfg))
+                                                                  0.07, config=cfg, q_rope=q_rope, k_rope=k_rope))
         except Exception as exc:
             rows.append({"kernel": "mla prefill attention", "shape": shape, "config": cfg,
                          "error": str(exc).splitlines()[0][:120]})

@@ -129,6 +129,29 @@ def test_prefill_key_phase_boundaries(device, config, window, cap):
     torch.testing.assert_close(out.view(q.shape[0], -1), want, atol=1e-4, rtol=1e-4)
 
 
+def test_prefill_reads_split_queries_and_keys(device):
+    """q_rope / k_rope: queries [q | q_rope] and keys [k | k_rope] read from two tensors each (the
+    rotary key part shared by the KV heads) give what the concatenated tensors give."""
+    from pagoda_cuda.attention.prefill import build_tile_map, paged_prefill
+
+    nq, nk, hs, rope = 4, 2, 24, 8
+    seqs = [(0, 37), (21, 35), (46, 20)]
+    q, k, v, cache, meta = make_batch(device, torch.float32, seqs, nq, nk, hs, 8, seed=6)
+    gen = torch.Generator().manual_seed(6)
+    t = q.shape[0]
+    q3 = q.view(t, nq, hs)
+    q_rope = torch.randn(t, nq, rope, generator=gen).to(device)
+    k_rope = torch.randn(cache.shape[1], cache.shape[2], rope, generator=gen).to(device)  # [blocks, block, R]
+    keys = torch.cat((cache[0], k_rope.unsqueeze(2).expand(-1, -1, nk, -1)), dim=-1)
+    tiles = torch.from_numpy(build_tile_map(meta.query_start_loc_cpu, 0, 64)).to(device)
+    args = (meta.block_tables, meta.seq_lens, meta.query_start_loc, tiles)
+    want = torch.empty(t, nq, hs, device=device)
+    paged_prefill(torch.cat((q3, q_rope), dim=-1), keys, cache[1], *args, want, 0.2)
+    got = torch.empty_like(want)
+    paged_prefill(q3, cache[0], cache[1], *args, got, 0.2, q_rope=q_rope, k_rope=k_rope)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
 def test_decode_splits_match_single_pass(device):
     from pagoda_cuda.attention.decode import paged_decode
 

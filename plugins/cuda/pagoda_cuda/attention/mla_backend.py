@@ -2,9 +2,9 @@
 
 Decodes attend over the latent with the absorbed projections (``mla_decode``), bracketed by
 two batched matmuls (q_nope @ w_uk before, latent @ w_uv^T after); graph-capturable. Prefill
-chunks expand each prefill sequence's cached latents into per-head keys [S, N, P + R] and
-values [S, N, V] (one GEMM; the values stay a view of its output) and run the paged prefill
-kernel over them as a cache of one-token pages.
+chunks expand each prefill sequence's cached latents into per-head [k_nope | v] rows (one GEMM)
+and run the paged prefill kernel over them as a cache of one-token pages, reading the rotary
+parts of queries and keys from their own tensors (nothing is concatenated).
 An fp8 cache holds entry / ``layer.kv_scales["k_scale"]``: stored, decoded and expanded with it.
 """
 
@@ -125,14 +125,14 @@ class TritonMLAAttention(AttentionBackend):
         entries = (entries.float() * kv_scale if kv_scale is not None else entries).to(q_nope.dtype)
         latent, rope = entries[:, :lora], entries[:, lora:]
         total = idx["total"]
-        # one GEMM expands the latents into every head's [k_nope | v] row (the kv_b projection);
-        # the values are read from it in place, the keys get the shared rotary part appended
+        # one GEMM expands the latents into every head's [k_nope | v] row (the kv_b projection); the
+        # kernel reads k_nope and v from it in place and the rotary parts of queries and keys from
+        # their own tensors (k_pe shared by the heads), so nothing is concatenated
         expansion = torch.cat((w_uk, w_uv), dim=1).reshape(-1, lora)  # [N * (P + V), L]; a 34 MB copy for V3
         kv = torch.nn.functional.linear(latent, expansion).view(total, heads, -1)
-        rope = rope.unsqueeze(1).expand(total, heads, rope.shape[-1])
-        keys = torch.cat((kv[..., :nope], rope), dim=-1).unsqueeze(1)  # [S, 1, N, P + R]
-        values = kv[..., nope:].unsqueeze(1)  # [S, 1, N, V], a strided view
-        q = torch.cat((q_nope, q_pe), dim=-1)
-        block_m = prefill_config(keys.shape[-1], values.shape[-1])[0]
-        tiles = device_tile_map(idx["tile_maps"], idx["qsl_host"], 0, block_m, q.device)
-        paged_prefill(q, keys, values, idx["tables"], idx["seq_lens"], idx["qsl"], tiles, out, spec.scale)
+        keys = kv[..., :nope].unsqueeze(1)  # [S, 1, N, P]: one-token pages
+        values = kv[..., nope:].unsqueeze(1)  # [S, 1, N, V]
+        block_m = prefill_config(nope + rope.shape[-1], values.shape[-1])[0]
+        tiles = device_tile_map(idx["tile_maps"], idx["qsl_host"], 0, block_m, q_nope.device)
+        paged_prefill(q_nope, keys, values, idx["tables"], idx["seq_lens"], idx["qsl"], tiles, out, spec.scale,
+                      q_rope=q_pe, k_rope=rope.unsqueeze(1))

@@ -27,10 +27,23 @@ def _tanh(x):
 
 
 @triton.jit
+def _rows(base, rows, rope_base, rope_rows, d, mask, SPLIT: tl.constexpr):
+    """Rows [len(rows), len(d)] of width-d vectors; with SPLIT, columns from SPLIT on come from a
+    second tensor (MLA's rotary part, shared by every head: ``rope_rows`` ignore the head)."""
+    if SPLIT == 0:
+        return tl.load(base + rows[:, None] + d[None, :], mask=mask, other=0.0)
+    first = tl.load(base + rows[:, None] + d[None, :], mask=mask & (d < SPLIT)[None, :], other=0.0)
+    rest = tl.maximum(d - SPLIT, 0)
+    second = tl.load(rope_base + rope_rows[:, None] + rest[None, :], mask=mask & (d >= SPLIT)[None, :], other=0.0)
+    return first + second
+
+
+@triton.jit
 def _key_tile(acc, m_i, l_i, q, n0, hi, qpos, window, table_row, stride_tn, k_base, v_base, stride_cb, stride_cs,
-              stride_vb, stride_vs, d, dmask, dv, dvmask, scale, soft_cap, k_scale, v_scale,
-              BLOCK_N: tl.constexpr, PAGE: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
-              USE_CAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, HAS_SCALE: tl.constexpr):
+              stride_vb, stride_vs, kr_cache, stride_rb, stride_rs, d, dmask, dv, dvmask, scale, soft_cap, k_scale,
+              v_scale, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
+              USE_CAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, HAS_SCALE: tl.constexpr,
+              SPLIT: tl.constexpr):
     """Keys n0 .. n0 + BLOCK_N folded into the running softmax (acc, m_i, l_i). MASKED=False:
     every query row sees every key of the tile (no mask; each row's maximum is finite after it)."""
     n = n0 + tl.arange(0, BLOCK_N)
@@ -44,7 +57,8 @@ def _key_tile(acc, m_i, l_i, q, n0, hi, qpos, window, table_row, stride_tn, k_ba
         page = tl.load(table_row + (n // PAGE) * stride_tn).to(tl.int64)
         kmask = dmask[None, :]
         vmask = dvmask[None, :]
-    k = tl.load(k_base + (page * stride_cb + in_page * stride_cs)[:, None] + d[None, :], mask=kmask, other=0.0)
+    k = _rows(k_base, page * stride_cb + in_page * stride_cs, kr_cache, page * stride_rb + in_page * stride_rs, d,
+              kmask, SPLIT)
     v = tl.load(v_base + (page * stride_vb + in_page * stride_vs)[:, None] + dv[None, :], mask=vmask, other=0.0)
     if HAS_SCALE:  # an fp8 cache holds k / k_scale
         k = k.to(tl.float32) * k_scale
@@ -89,10 +103,12 @@ def _key_tile(acc, m_i, l_i, q, n0, hi, qpos, window, table_row, stride_tn, k_ba
 def _prefill_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, stride_cs, stride_ch,
                     stride_vb, stride_vs, stride_vh, tables_ptr, stride_tb, stride_tn, seq_lens_ptr, qsl_ptr,
                     tile_map_ptr, out_ptr, stride_ot, stride_oh, scale, soft_cap, window, k_scale_ptr, v_scale_ptr,
+                    qr_ptr, stride_qrt, stride_qrh, kr_cache, stride_rb, stride_rs,
                     GROUP: tl.constexpr, HEAD: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_V: tl.constexpr,
                     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, USE_WINDOW: tl.constexpr,
-                    USE_CAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, HAS_SCALE: tl.constexpr):
+                    USE_CAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, HAS_SCALE: tl.constexpr,
+                    SPLIT: tl.constexpr):
     tile = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // GROUP
@@ -108,8 +124,8 @@ def _prefill_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, st
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD
     rows = (q_start + m).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
-                mask=mmask[:, None] & dmask[None, :], other=0.0)
+    q = _rows(q_ptr + h * stride_qh, rows * stride_qt, qr_ptr + h * stride_qrh, rows * stride_qrt, d,
+              mmask[:, None] & dmask[None, :], SPLIT)
     if UPCAST:
         q = q.to(tl.float32)
     qpos = ctx + m  # absolute position of each query
@@ -142,19 +158,19 @@ def _prefill_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, st
         u_lo = tl.minimum(u_lo, u_hi)
         for n0 in range(lo, u_lo, BLOCK_N):
             acc, m_i, l_i = _key_tile(acc, m_i, l_i, q, n0, hi, qpos, window, table_row, stride_tn, k_base, v_base,
-                                      stride_cb, stride_cs, stride_vb, stride_vs, d, dmask, dv, dvmask, scale,
-                                      soft_cap, k_scale, v_scale, BLOCK_N, PAGE, True, USE_WINDOW, USE_CAP,
-                                      UPCAST, IEEE, HAS_SCALE)
+                                      stride_cb, stride_cs, stride_vb, stride_vs, kr_cache, stride_rb, stride_rs, d,
+                                      dmask, dv, dvmask, scale, soft_cap, k_scale, v_scale, BLOCK_N, PAGE, True,
+                                      USE_WINDOW, USE_CAP, UPCAST, IEEE, HAS_SCALE, SPLIT)
     for n0 in range(u_lo, u_hi, BLOCK_N):
         acc, m_i, l_i = _key_tile(acc, m_i, l_i, q, n0, hi, qpos, window, table_row, stride_tn, k_base, v_base,
-                                  stride_cb, stride_cs, stride_vb, stride_vs, d, dmask, dv, dvmask, scale, soft_cap,
-                                  k_scale, v_scale, BLOCK_N, PAGE, False, USE_WINDOW, USE_CAP, UPCAST, IEEE,
-                                  HAS_SCALE)
+                                  stride_cb, stride_cs, stride_vb, stride_vs, kr_cache, stride_rb, stride_rs, d, dmask,
+                                  dv, dvmask, scale, soft_cap, k_scale, v_scale, BLOCK_N, PAGE, False, USE_WINDOW,
+                                  USE_CAP, UPCAST, IEEE, HAS_SCALE, SPLIT)
     for n0 in range(u_hi, hi, BLOCK_N):
         acc, m_i, l_i = _key_tile(acc, m_i, l_i, q, n0, hi, qpos, window, table_row, stride_tn, k_base, v_base,
-                                  stride_cb, stride_cs, stride_vb, stride_vs, d, dmask, dv, dvmask, scale, soft_cap,
-                                  k_scale, v_scale, BLOCK_N, PAGE, True, USE_WINDOW, USE_CAP, UPCAST, IEEE,
-                                  HAS_SCALE)
+                                  stride_cb, stride_cs, stride_vb, stride_vs, kr_cache, stride_rb, stride_rs, d, dmask,
+                                  dv, dvmask, scale, soft_cap, k_scale, v_scale, BLOCK_N, PAGE, True, USE_WINDOW,
+                                  USE_CAP, UPCAST, IEEE, HAS_SCALE, SPLIT)
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + dv[None, :], out.to(out_ptr.dtype.element_ty),
@@ -201,18 +217,25 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, tile_map: torch.Tensor,
                   out: torch.Tensor, scale: float, sliding_window: int | None = None,
                   soft_cap: float | None = None, config: tuple[int, int, int, int] | None = None,
-                  kv_scales: dict | None = None) -> None:
+                  kv_scales: dict | None = None, q_rope: torch.Tensor | None = None,
+                  k_rope: torch.Tensor | None = None) -> None:
     """q [T, nq, D], out [T, nq, Dv] over the whole batch (rows addressed through
     query_start_loc); caches [num_blocks, block_size, nk, D] and [..., Dv] (Dv may differ from
     D: MLA's expanded keys and values); tile_map [num_tiles, 2] int32 from ``build_tile_map``
     with BLOCK_M of ``prefill_config(D, Dv)``; ``kv_scales`` ({"k_scale", "v_scale"}): an
-    fp8 cache holding k / k_scale."""
+    fp8 cache holding k / k_scale. ``q_rope`` [T, nq, R] and ``k_rope`` [num_blocks,
+    block_size, R] (shared by every KV head), given together: the queries and keys are
+    [q | q_rope] and [k | k_rope], D + R wide, read from both tensors without concatenating
+    them (MLA's expanded prefill). Any strides but the last."""
     num_tiles = tile_map.shape[0]
     if num_tiles == 0:
         return
-    _, nq, head = q.shape
+    _, nq, split = q.shape
+    head = split + (q_rope.shape[-1] if q_rope is not None else 0)
     head_v = v_cache.shape[-1]
     nk, page = k_cache.shape[2], k_cache.shape[1]
+    if q_rope is None:
+        split, q_rope, k_rope = 0, q, k_cache  # no second part (placeholders, never read)
     # ``config`` (kernel sweeps) must keep the BLOCK_M the tile map was built with
     block_m, block_n, num_warps, num_stages = config or prefill_config(head, head_v)
     _prefill_kernel[(num_tiles, nq)](
@@ -221,7 +244,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         block_tables.stride(1), seq_lens, query_start_loc, tile_map,
         out, out.stride(0), out.stride(1), float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
         kv_scales["k_scale"] if kv_scales else seq_lens, kv_scales["v_scale"] if kv_scales else seq_lens,
+        q_rope, q_rope.stride(0), q_rope.stride(1), k_rope, k_rope.stride(0), k_rope.stride(1),
         HAS_SCALE=bool(kv_scales), GROUP=nq // nk, HEAD=head, BLOCK_D=max(16, next_pow2(head)), HEAD_V=head_v,
         BLOCK_DV=max(16, next_pow2(head_v)), BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
         USE_WINDOW=bool(sliding_window), USE_CAP=bool(soft_cap), UPCAST=interpreting(),
-        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
+        IEEE=q.dtype == torch.float32, SPLIT=split, num_warps=num_warps, num_stages=num_stages)
