@@ -81,20 +81,24 @@ if [ "$KERNELS" = 1 ]; then
 fi
 
 # ------------------------------------------------------------------ benchmarks
-registered() {
+registered() {  # exit 0: the shape's architecture is registered; 3: it is not; 4: no such shape
   $PY - "$1" <<'EOF'
 import sys
 from pagoda.bench.shapes import SHAPES
 from pagoda.plugins import get_registry
-arch = SHAPES[sys.argv[1]]["architectures"][0]
-sys.exit(0 if arch in get_registry().models else 3)
+spec = SHAPES.get(sys.argv[1])
+if spec is None:
+    sys.exit(4)
+sys.exit(0 if spec["architectures"][0] in get_registry().models else 3)
 EOF
 }
 for shape in $SHAPES; do
-  if ! registered "$shape"; then
-    say "SKIP $shape: its architecture is not registered (model plugin missing)"
-    continue
-  fi
+  registered "$shape"
+  case $? in
+    0) ;;
+    4) say "SKIP $shape: no such shape (see pagoda.bench.shapes)"; continue ;;
+    *) say "SKIP $shape: its architecture is not registered (model plugin missing)"; continue ;;
+  esac
   extra=()
   [ "$PROFILE" = 1 ] && extra+=(--profile)
   for b in $BASELINE_SHAPES; do
