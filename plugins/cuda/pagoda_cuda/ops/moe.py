@@ -241,21 +241,6 @@ def with_group(config, group: int) -> tuple[int, ...]:
     return config if len(config) >= 6 else config[:5] + (group,)
 
 
-# Weight tiles through tensor-memory-accelerator descriptors (Hopper and later) instead of
-# pointer loads; None: WEIGHT_TMA_DEFAULT where the device has it.
-WEIGHT_TMA_DEFAULT = False
-
-
-def weight_descriptors(device: torch.device, weight_tma: bool | None) -> bool:
-    """Whether the weight tiles load through descriptors: asked for (tests, sweeps) or the default
-    on a device of compute capability 9.0 or later; the interpreter runs them as well."""
-    if weight_tma is not None:
-        return weight_tma
-    if not WEIGHT_TMA_DEFAULT or device.type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "silu",
               config: tuple[int, ...] | None = None, weight_tma: bool | None = None) -> torch.Tensor:
@@ -278,16 +263,15 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     chosen = (with_group(config, default_group_m(num_pairs / num_experts)) if config else
               moe_config(num_pairs, num_experts, h, inner, hidden.device, hidden.dtype))
     block_m, block_n, block_k, num_warps, num_stages, group_m = chosen[:6]
-    if weight_tma is None and len(chosen) > 6:
-        weight_tma = bool(chosen[6])
+    if weight_tma is None:  # weight tiles through TMA descriptors (Hopper and later) when the entry says so
+        weight_tma = len(chosen) > 6 and bool(chosen[6])
     block_k = min(block_k, max(16, next_pow2(min(h, inner))))
     pairs, block_expert, max_blocks = align(topk_ids, num_experts, block_m)
     upcast = interpreting()
     ieee = hidden.dtype == torch.float32
     act = torch.empty((max_blocks * block_m, inner), dtype=hidden.dtype, device=hidden.device)
     w13_arg, w2_arg = w13, w2
-    tma = weight_descriptors(hidden.device, weight_tma)
-    if tma:
+    if weight_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         w13_arg = TensorDescriptor.from_tensor(w13.view(num_experts * two_inner, h), [block_n, block_k])
@@ -296,13 +280,13 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         hidden, hidden.stride(0), w13_arg, w13.stride(0), w13.stride(1), act, act.stride(0), pairs, block_expert,
         num_pairs, num_experts, h, inner, max_blocks, TOPK=topk, ACT="silu" if activation == "silu" else "gelu",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, UPCAST=upcast, IEEE=ieee,
-        W_DESC=tma, num_warps=num_warps, num_stages=num_stages)
+        W_DESC=weight_tma, num_warps=num_warps, num_stages=num_stages)
     per_pair = torch.empty((num_pairs, h), dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     _down_kernel[(max_blocks * triton.cdiv(h, block_n),)](
         act, act.stride(0), w2_arg, w2.stride(0), w2.stride(1), per_pair, per_pair.stride(0), pairs, block_expert,
         weights, num_pairs, num_experts, h, inner, max_blocks, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        GROUP_M=group_m, UPCAST=upcast, IEEE=ieee, W_DESC=tma, num_warps=num_warps, num_stages=num_stages)
+        GROUP_M=group_m, UPCAST=upcast, IEEE=ieee, W_DESC=weight_tma, num_warps=num_warps, num_stages=num_stages)
     ids = topk_ids.reshape(-1).contiguous()
     _combine_kernel[(t, triton.cdiv(h, 1024))](per_pair, ids, out, h, num_experts, TOPK=topk, BLOCK=1024,
                                                num_warps=4)
