@@ -94,7 +94,7 @@ def bench_mla_decode(rows: list, batch: int, ctx: int, sweep: bool, heads: int =
                      rope: int = 64) -> None:
     """DeepSeek-V3's MLA decode over the latent cache: the chosen tile and, with ``sweep``, wider
     head blocks (BLOCK_H, BLOCK_N, num_warps, num_stages)."""
-    from pagoda_cuda.attention.mla_decode import mla_config, mla_decode
+    from pagoda_cuda.attention.mla_decode import mla_config, mla_decode, mla_splits
 
     blocks = batch * (-(-ctx // 16))
     cache = torch.randn(blocks, 16, lora + rope, device="cuda", dtype=torch.bfloat16)
@@ -110,7 +110,7 @@ def bench_mla_decode(rows: list, batch: int, ctx: int, sweep: bool, heads: int =
         configs += [(16, 32, 8, 2), (32, 32, 8, 2), (16, 32, 4, 2), (16, 64, 4, 2), (32, 64, 4, 2), (32, 16, 4, 2),
                     (32, 32, 4, 3), (32, 32, 4, 1), (64, 32, 4, 2), (64, 32, 8, 2)]
     for cfg in dict.fromkeys(configs):
-        splits = choose_splits_for(batch, heads, ctx, cfg[0])
+        splits = mla_splits(batch, heads, ctx, torch.device("cuda"), lora, block_h=cfg[0])
         try:
             t = _bench(lambda cfg=cfg, splits=splits: mla_decode(q_lat, q_pe, cache, tables, lens, out, 0.1, splits,
                                                                  config=cfg))
@@ -156,13 +156,6 @@ def bench_mla_prefill(rows: list, seqs: int, length: int, sweep: bool, heads: in
             continue
         rows.append({"kernel": "mla prefill attention", "shape": shape, "config": cfg, "seconds": t,
                      "TFLOP/s": flops / t / 1e12})
-
-
-def choose_splits_for(batch: int, heads: int, ctx: int, block_h: int) -> int:
-    """The split count ``mla_splits`` gives a head block of ``block_h``."""
-    from pagoda_cuda.attention.decode import choose_splits
-
-    return choose_splits(batch, -(-heads // block_h), ctx, torch.device("cuda"))
 
 
 def bench_moe(rows: list, tokens: int, hidden: int, inner: int, experts: int, topk: int,

@@ -198,5 +198,8 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
                                   NUM_SPLITS=num_splits, BLOCK_S=max(2, next_pow2(num_splits)), num_warps=4)
 
 
-def mla_splits(num_seqs: int, num_heads: int, max_seq_len: int, device: torch.device, lora: int = 512) -> int:
-    return choose_splits(num_seqs, triton.cdiv(num_heads, mla_config(lora)[0]), max_seq_len, device)
+def mla_splits(num_seqs: int, num_heads: int, max_seq_len: int, device: torch.device, lora: int = 512,
+               block_h: int | None = None) -> int:
+    """Context splits for a decode batch: ``choose_splits`` over the head blocks of ``block_h``
+    heads (default: ``mla_config``'s)."""
+    return choose_splits(num_seqs, triton.cdiv(num_heads, block_h or mla_config(lora)[0]), max_seq_len, device)
