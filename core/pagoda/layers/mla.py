@@ -14,9 +14,9 @@ tensor-parallel rank: N = local heads):
 
 ``kv_b_proj`` (the model's [N * (P + V), L] up-projection) gives, per head n, the absorbed
 matrices ``w_uk[n]`` [P, L] (k_nope = w_uk[n] @ c) and ``w_uv[n]`` [V, L] (v = w_uv[n] @ c);
-``MLAAttention.absorbed_weights()`` returns them as views of its weight (or of its
-dequantized weight when the projection is quantized: a quant method exposing
-``dequantize(layer) -> [out, in]`` tensor).
+``MLAAttention.absorbed_weights()`` returns them as views of ``kv_b_weight()``: its weight (or
+its dequantized weight when the projection is quantized: a quant method exposing
+``dequantize(layer) -> [out, in]`` tensor), whole, for backends that expand latents with it.
 
 Backend contract (``AttentionBackend`` of kind ``"mla"``)::
 
@@ -66,20 +66,26 @@ class MLAAttention(Attention):
         self.qk_nope_head_dim, self.qk_rope_head_dim = qk_nope_head_dim, qk_rope_head_dim
         self.v_head_dim, self.kv_lora_rank = v_head_dim, kv_lora_rank
         self._kv_b_proj = (kv_b_proj,)  # a tuple: the model owns (and loads) the projection
+        self._kv_b_weight: torch.Tensor | None = None
         self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def kv_b_proj(self) -> nn.Module:
         return self._kv_b_proj[0]
 
-    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w_uk [N, P, L], w_uv [N, V, L]) from kv_b_proj, computed once after loading."""
-        if self._absorbed is None:
+    def kv_b_weight(self) -> torch.Tensor:
+        """kv_b_proj's weight [N * (P + V), L] in the model dtype (dequantized once if quantized)."""
+        if self._kv_b_weight is None:
             proj = self.kv_b_proj
             dequantize = getattr(getattr(proj, "quant_method", None), "dequantize", None)
             # dequantize returns float32; the absorbed matmuls run in the model dtype
-            weight = dequantize(proj).to(proj.params_dtype) if dequantize is not None else proj.weight
-            w = weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+            self._kv_b_weight = dequantize(proj).to(proj.params_dtype) if dequantize is not None else proj.weight
+        return self._kv_b_weight
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w_uk [N, P, L], w_uv [N, V, L]): views of ``kv_b_weight()``, made once after loading."""
+        if self._absorbed is None:
+            w = self.kv_b_weight().view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
             self._absorbed = (w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:])
         return self._absorbed
 

@@ -15,12 +15,16 @@ class FakeMLALayer:
                                   qk_rope_head_dim=rope, extra={"qk_nope_head_dim": nope, "v_head_dim": v})
         w = torch.randn(heads, nope + v, lora, generator=gen) / lora ** 0.5
         w = w.to(device, dtype)
+        self.weight = w.view(heads * (nope + v), lora)
         self.weights = (w[:, :nope], w[:, nope:])
         self.kv_scales = None if kv_scale is None else {"k_scale": torch.tensor(kv_scale, device=device),
                                                         "v_scale": torch.tensor(1.0, device=device)}
 
     def absorbed_weights(self):
         return self.weights
+
+    def kv_b_weight(self):
+        return self.weight
 
 
 def run_case(device, dtype, seqs, heads=4, nope=16, rope=16, v=16, lora=32, block_size=8, splits=None, seed=0,

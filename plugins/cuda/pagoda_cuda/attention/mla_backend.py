@@ -106,10 +106,10 @@ class TritonMLAAttention(AttentionBackend):
         if meta.num_seqs > nd:
             if meta.for_graph:
                 raise RuntimeError("the triton_mla backend captures decode-only batches; this one has prefills")
-            self._prefill(layer, q_nope[nd:], q_pe[nd:], kv_cache, meta, data, out[nd:], w_uk, w_uv, kv_scale)
+            self._prefill(layer, q_nope[nd:], q_pe[nd:], kv_cache, meta, data, out[nd:], kv_scale)
         return out
 
-    def _prefill(self, layer, q_nope, q_pe, kv_cache, meta, data, out, w_uk, w_uv, kv_scale=None) -> None:
+    def _prefill(self, layer, q_nope, q_pe, kv_cache, meta, data, out, kv_scale=None) -> None:
         import torch
 
         from pagoda_cuda.attention.prefill import device_tile_map, paged_prefill, prefill_config
@@ -117,7 +117,7 @@ class TritonMLAAttention(AttentionBackend):
         spec = layer.spec
         lora = spec.kv_lora_rank
         idx = self._prefill_index(meta, data, q_nope.device)
-        heads, nope = w_uk.shape[0], w_uk.shape[1]
+        heads, nope = q_nope.shape[1], q_nope.shape[2]
         # gather every prefill sequence's cached latents (the new tokens are stored already)
         block = meta.block_size
         pages = meta.block_tables[idx["seq_of"], idx["pos"] // block].long()
@@ -128,8 +128,7 @@ class TritonMLAAttention(AttentionBackend):
         # one GEMM expands the latents into every head's [k_nope | v] row (the kv_b projection); the
         # kernel reads k_nope and v from it in place and the rotary parts of queries and keys from
         # their own tensors (k_pe shared by the heads), so nothing is concatenated
-        expansion = torch.cat((w_uk, w_uv), dim=1).reshape(-1, lora)  # [N * (P + V), L]; a 34 MB copy for V3
-        kv = torch.nn.functional.linear(latent, expansion).view(total, heads, -1)
+        kv = torch.nn.functional.linear(latent, layer.kv_b_weight()).view(total, heads, -1)  # [S, N, P + V]
         keys = kv[..., :nope].unsqueeze(1)  # [S, 1, N, P]: one-token pages
         values = kv[..., nope:].unsqueeze(1)  # [S, 1, N, V]
         block_m = prefill_config(nope + rope.shape[-1], values.shape[-1])[0]
