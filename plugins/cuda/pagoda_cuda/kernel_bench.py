@@ -18,6 +18,23 @@ def _bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
 
 
+def _timed(rows: list, kernel: str, shape: str, config, fn, nbytes: float = 0, flops: float = 0) -> float | None:
+    """Time ``fn`` and add a row (time, and GB/s or TFLOP/s for the bytes or FLOPs given); a tile
+    that does not build or fit (shared memory) is reported in its row and gives None."""
+    try:
+        t = _bench(fn)
+    except Exception as exc:
+        rows.append({"kernel": kernel, "shape": shape, "config": config, "error": str(exc).splitlines()[0][:120]})
+        return None
+    row = {"kernel": kernel, "shape": shape, "config": config, "seconds": t}
+    if nbytes:
+        row["GB/s"] = nbytes / t / 1e9
+    if flops:
+        row["TFLOP/s"] = flops / t / 1e12
+    rows.append(row)
+    return t
+
+
 def _paged(batch: int, ctx: int, nk: int, hd: int, block: int = 16, dtype=torch.bfloat16, head_major: bool = True):
     """A random paged cache [2, blocks, block, nk, hd] (pages in random order); ``head_major``
     (the triton backend's layout): each page stores each head's tokens together ([2, blocks,
@@ -53,15 +70,10 @@ def bench_decode(rows: list, nq: int, nk: int, hd: int, batch: int, ctx: int, sw
         paged = _paged(batch, ctx, nk, hd, head_major=head_major)
         shape = f"B{batch} ctx{ctx} nq{nq} nk{nk} d{hd}" + ("" if head_major else " token-major pages")
         for cfg, splits in dict.fromkeys(configs if head_major else configs[:1] + others):
-            try:
-                t = _bench(lambda cfg=cfg, splits=splits, paged=paged: paged_decode(
-                    q, paged[0][0], paged[0][1], paged[1], paged[2], out, hd ** -0.5, splits, config=cfg))
-            except Exception as exc:  # a tile that does not fit (shared memory): report and go on
-                rows.append({"kernel": "decode attention", "shape": shape, "config": cfg,
-                             "error": str(exc).splitlines()[0][:120]})
-                continue
-            rows.append({"kernel": "decode attention", "shape": f"{shape} splits{splits}", "config": cfg,
-                         "seconds": t, "GB/s": nbytes / t / 1e9})
+            _timed(rows, "decode attention", f"{shape} splits{splits}", cfg,
+                   lambda cfg=cfg, splits=splits, paged=paged: paged_decode(
+                       q, paged[0][0], paged[0][1], paged[1], paged[2], out, hd ** -0.5, splits, config=cfg),
+                   nbytes=nbytes)
         del paged
 
 
@@ -79,15 +91,10 @@ def bench_prefill(rows: list, nq: int, nk: int, hd: int, seqs: int, length: int,
         configs += [(64, 64, 4, 2), (64, 32, 4, 3), (64, 32, 2, 2), (32, 32, 4, 2), (128, 32, 4, 3), (64, 16, 4, 2)]
     for cfg in dict.fromkeys(configs):
         tiles = torch.from_numpy(build_tile_map(qsl, 0, cfg[0])).cuda()
-        try:
-            t = _bench(lambda cfg=cfg, tiles=tiles: paged_prefill(q, cache[0], cache[1], tables, lens, qsl_t, tiles,
-                                                                  out, hd ** -0.5, config=cfg))
-        except Exception as exc:
-            rows.append({"kernel": "prefill attention", "shape": f"{seqs}x{length} nq{nq} nk{nk} d{hd}",
-                         "config": cfg, "error": str(exc).splitlines()[0][:120]})
-            continue
-        rows.append({"kernel": "prefill attention", "shape": f"{seqs}x{length} nq{nq} nk{nk} d{hd}", "config": cfg,
-                     "seconds": t, "TFLOP/s": flops / t / 1e12})
+        _timed(rows, "prefill attention", f"{seqs}x{length} nq{nq} nk{nk} d{hd}", cfg,
+               lambda cfg=cfg, tiles=tiles: paged_prefill(q, cache[0], cache[1], tables, lens, qsl_t, tiles, out,
+                                                          hd ** -0.5, config=cfg),
+               flops=flops)
 
 
 def bench_mla_decode(rows: list, batch: int, ctx: int, sweep: bool, heads: int = 128, lora: int = 512,
@@ -111,15 +118,10 @@ def bench_mla_decode(rows: list, batch: int, ctx: int, sweep: bool, heads: int =
                     (32, 32, 4, 3), (32, 32, 4, 1), (64, 32, 4, 2), (64, 32, 8, 2)]
     for cfg in dict.fromkeys(configs):
         splits = mla_splits(batch, heads, ctx, torch.device("cuda"), lora, block_h=cfg[0])
-        try:
-            t = _bench(lambda cfg=cfg, splits=splits: mla_decode(q_lat, q_pe, cache, tables, lens, out, 0.1, splits,
-                                                                 config=cfg))
-        except Exception as exc:
-            rows.append({"kernel": "mla decode", "shape": f"B{batch} ctx{ctx} h{heads}", "config": cfg,
-                         "error": str(exc).splitlines()[0][:120]})
-            continue
-        rows.append({"kernel": "mla decode", "shape": f"B{batch} ctx{ctx} h{heads} splits{splits}", "config": cfg,
-                     "seconds": t, "GB/s": nbytes / t / 1e9, "TFLOP/s": flops / t / 1e12})
+        _timed(rows, "mla decode", f"B{batch} ctx{ctx} h{heads} splits{splits}", cfg,
+               lambda cfg=cfg, splits=splits: mla_decode(q_lat, q_pe, cache, tables, lens, out, 0.1, splits,
+                                                         config=cfg),
+               nbytes=nbytes, flops=flops)
 
 
 def bench_mla_prefill(rows: list, seqs: int, length: int, sweep: bool, heads: int = 128, nope: int = 128,
@@ -146,16 +148,10 @@ def bench_mla_prefill(rows: list, seqs: int, length: int, sweep: bool, heads: in
         configs += [(64, 32, 8, 2), (64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 3), (128, 64, 8, 2), (128, 16, 8, 2)]
     for cfg in dict.fromkeys(configs):
         tiles = torch.from_numpy(build_tile_map(qsl, 0, cfg[0])).cuda()
-        shape = f"{seqs}x{length} h{heads} k{nope + rope} v{v}"
-        try:
-            t = _bench(lambda cfg=cfg, tiles=tiles: paged_prefill(q, keys, values, tables, lens, qsl_t, tiles, out,
-                                                                  0.07, config=cfg, q_rope=q_rope, k_rope=k_rope))
-        except Exception as exc:
-            rows.append({"kernel": "mla prefill attention", "shape": shape, "config": cfg,
-                         "error": str(exc).splitlines()[0][:120]})
-            continue
-        rows.append({"kernel": "mla prefill attention", "shape": shape, "config": cfg, "seconds": t,
-                     "TFLOP/s": flops / t / 1e12})
+        _timed(rows, "mla prefill attention", f"{seqs}x{length} h{heads} k{nope + rope} v{v}", cfg,
+               lambda cfg=cfg, tiles=tiles: paged_prefill(q, keys, values, tables, lens, qsl_t, tiles, out, 0.07,
+                                                          config=cfg, q_rope=q_rope, k_rope=k_rope),
+               flops=flops)
 
 
 def bench_moe(rows: list, tokens: int, hidden: int, inner: int, experts: int, topk: int,
@@ -174,14 +170,8 @@ def bench_moe(rows: list, tokens: int, hidden: int, inner: int, experts: int, to
     flops = tokens * topk * 3 * hidden * inner * 2
     configs = [chosen] + [chosen[:5] + (g,) for g in groups] + [chosen[:6] + (tma,) for tma in (0, 1)]
     for cfg in dict.fromkeys(configs):
-        try:
-            t = _bench(lambda cfg=cfg: fused_moe(x, w13, w2, weights, ids, config=cfg))
-        except Exception as exc:
-            rows.append({"kernel": "fused moe", "shape": f"T{tokens} H{hidden} I{inner} E{experts} k{topk}",
-                         "config": cfg, "error": str(exc).splitlines()[0][:120]})
-            continue
-        rows.append({"kernel": "fused moe", "shape": f"T{tokens} H{hidden} I{inner} E{experts} k{topk}",
-                     "config": cfg, "seconds": t, "GB/s": nbytes / t / 1e9, "TFLOP/s": flops / t / 1e12})
+        _timed(rows, "fused moe", f"T{tokens} H{hidden} I{inner} E{experts} k{topk}", cfg,
+               lambda cfg=cfg: fused_moe(x, w13, w2, weights, ids, config=cfg), nbytes=nbytes, flops=flops)
 
 
 # MoE shapes of the benchmark models: experts, hidden, expert intermediate, top-k
@@ -217,18 +207,12 @@ def tune_moe(rows: list, out_path: str | None, install: bool) -> None:
             weights, ids = torch.softmax(torch.randn(tokens, experts, device="cuda"), -1).topk(topk, dim=-1)
             best = None
             inputs = (x, w13, w2, weights, ids)
+            nbytes = min(experts, tokens * topk) * 3 * hidden * inner * 2
             for cfg in candidates:
-                try:
-                    t = _bench(lambda cfg=cfg, inputs=inputs: fused_moe(*inputs, config=cfg))
-                except Exception as exc:
-                    rows.append({"kernel": "fused moe (tune)", "shape": f"{model} T{tokens}", "config": cfg,
-                                 "error": str(exc).splitlines()[0][:120]})
-                    continue
-                nbytes = min(experts, tokens * topk) * 3 * hidden * inner * 2
-                rows.append({"kernel": "fused moe (tune)", "shape": f"{model} T{tokens}", "config": cfg,
-                             "seconds": t, "GB/s": nbytes / t / 1e9,
-                             "TFLOP/s": tokens * topk * 6 * hidden * inner / t / 1e12})
-                if best is None or t < best[0]:
+                t = _timed(rows, "fused moe (tune)", f"{model} T{tokens}", cfg,
+                           lambda cfg=cfg, inputs=inputs: fused_moe(*inputs, config=cfg),
+                           nbytes=nbytes, flops=tokens * topk * 6 * hidden * inner)
+                if t is not None and (best is None or t < best[0]):
                     best = (t, cfg)
             if best is not None:
                 entries.append([tokens * topk / experts, list(best[1])])
