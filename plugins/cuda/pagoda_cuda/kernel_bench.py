@@ -145,7 +145,7 @@ def bench_mla_prefill(rows: list, seqs: int, length: int, sweep: bool, heads: in
     flops = seqs * heads * (nope + rope + v) * 2 * length * (length + 1) / 2
     configs = [prefill_config(nope + rope, v)]
     if sweep:
-        configs += [(64, 32, 8, 2), (64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 3), (128, 64, 8, 2), (128, 16, 8, 2)]
+        configs += [(128, 32, 8, 2), (64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 3), (128, 64, 4, 2), (128, 128, 8, 2)]
     for cfg in dict.fromkeys(configs):
         tiles = torch.from_numpy(build_tile_map(qsl, 0, cfg[0])).cuda()
         _timed(rows, "mla prefill attention", f"{seqs}x{length} h{heads} k{nope + rope} v{v}", cfg,
