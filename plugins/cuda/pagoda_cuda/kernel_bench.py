@@ -49,12 +49,23 @@ def _paged(batch: int, ctx: int, nk: int, hd: int, block: int = 16, dtype=torch.
     return cache, tables, lens
 
 
-def bench_decode(rows: list, nq: int, nk: int, hd: int, batch: int, ctx: int, sweep: bool) -> None:
+def bench_decode(rows: list, nq: int, nk: int, hd: int, batch: int, ctx: int, sweep: bool,
+                 fp8: bool = False) -> None:
+    """The decode kernel at one shape (``fp8``: over an fp8 cache with scales, chosen tile only)."""
     from pagoda_cuda.attention.decode import choose_splits, decode_config, paged_decode
 
     q = torch.randn(batch, nq, hd, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
-    nbytes = batch * ctx * nk * hd * 2 * 2
+    nbytes = batch * ctx * nk * hd * 2 * (1 if fp8 else 2)
+    if fp8:
+        cache, tables, lens = _paged(batch, ctx, nk, hd)
+        cache = cache.to(torch.float8_e4m3fn)
+        one = torch.ones((), device="cuda", dtype=torch.float32)
+        _timed(rows, "decode attention fp8 cache", f"B{batch} ctx{ctx} nq{nq} nk{nk} d{hd}",
+               decode_config(hd, nq // nk), lambda: paged_decode(
+                   q, cache[0], cache[1], tables, lens, out, hd ** -0.5, choose_splits(batch, nk, ctx, q.device),
+                   kv_scales={"k_scale": one, "v_scale": one}), nbytes=nbytes)
+        return
     chosen = choose_splits(batch, nk, ctx, q.device)
     default = decode_config(hd, nq // nk)
     configs = [(default, chosen)]
@@ -266,27 +277,23 @@ def bench_small_ops(rows: list, tokens: int) -> None:
 
 
 # decode-step GEMMs at batch 256 (out features, in features): qwen3-0.6b's qkv, o, gate/up, down and
-# lm_head; phi3-mini's qkv, o, gate/up, down
+# lm_head; phi3-mini's qkv, o, gate/up, down; deepseek-v3-4l's dense gate/up, dense down, MLA o_proj
 DECODE_GEMMS = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024),
-                (9216, 3072), (3072, 3072), (16384, 3072), (3072, 8192)]
+                (9216, 3072), (3072, 3072), (16384, 3072), (3072, 8192), (36864, 7168), (7168, 18432),
+                (7168, 16384)]
 
 
 def bench_decode_gemms(rows: list, tokens: int = 256) -> None:
-    """torch's linear at decode shapes with each BLAS library torch offers (cuBLAS, cuBLASLt)."""
-    a = torch.randn(tokens, 8192, device="cuda", dtype=torch.bfloat16)
-    before = torch.backends.cuda.preferred_blas_library()
-    try:
-        for n, k in DECODE_GEMMS:
-            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-            x = a[:, :k]
-            for library in ("cublas", "cublaslt"):
-                torch.backends.cuda.preferred_blas_library(library)
-                t = _bench(lambda x=x, w=w: torch.nn.functional.linear(x, w))
-                rows.append({"kernel": f"linear ({library})", "shape": f"{tokens}x{k} @ {k}x{n}", "seconds": t,
-                             "GB/s": (w.numel() + x.numel() + tokens * n) * 2 / t / 1e9,
-                             "TFLOP/s": 2 * tokens * n * k / t / 1e12})
-    finally:
-        torch.backends.cuda.preferred_blas_library(before)
+    """torch's linear (cuBLAS) at decode shapes. (Splitting K into 2-8 slices of one batched GEMM
+    with float32 partials was slower at every shape here, 1.1-6x; docs/benchmarks.md.)"""
+    a = torch.randn(tokens, 18432, device="cuda", dtype=torch.bfloat16)
+    for n, k in DECODE_GEMMS:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        x = a[:, :k].contiguous()
+        _timed(rows, "linear (cuBLAS)", f"{tokens}x{k} @ {k}x{n}", "",
+               lambda x=x, w=w: torch.nn.functional.linear(x, w), nbytes=(w.numel() + x.numel() + tokens * n) * 2,
+               flops=2 * tokens * n * k)
+        del w
 
 
 def main(argv=None) -> int:
@@ -308,6 +315,8 @@ def main(argv=None) -> int:
     sections = [  # (name, step); --only takes name prefixes
         ("decode:qwen3-0.6b", lambda: bench_decode(rows, 16, 8, 128, 256, 640, sweep)),
         ("decode:qwen3-0.6b-524", lambda: bench_decode(rows, 16, 8, 128, 256, 524, sweep)),  # its mean context
+        ("decode:qwen3-0.6b-576", lambda: bench_decode(rows, 16, 8, 128, 256, 576, False)),  # 9 whole tiles
+        ("decode:qwen3-0.6b-fp8", lambda: bench_decode(rows, 16, 8, 128, 256, 640, False, fp8=True)),
         ("decode:phi3-mini", lambda: bench_decode(rows, 32, 32, 96, 256, 640, sweep)),
         ("decode:qwen3-30b-a3b", lambda: bench_decode(rows, 32, 4, 128, 256, 640, sweep)),
         ("decode:long", lambda: bench_decode(rows, 16, 8, 128, 4, 16384, False)),  # long context, split

@@ -100,11 +100,11 @@ def test_mla_decode_head_blocks(device, config, monkeypatch):
 
 
 def test_mla_prefill_wide_keys(device):
-    """Keys over 128 wide with values up to 128 (DeepSeek's 192 and 128) take the 128-row query
-    tiles of ``prefill_config``; a chunk of 70 new tokens spans one and a part of a second."""
+    """Keys over 128 wide with values up to 128 (DeepSeek's 192 and 128) take MLA's 64 x 64 tiles
+    of ``prefill_config``; a chunk of 70 new tokens spans one query tile and a part of a second."""
     from pagoda_cuda.attention.prefill import prefill_config
 
-    assert prefill_config(120 + 16, 64)[0] == 128
+    assert prefill_config(120 + 16, 64)[:2] == (64, 64)
     run_case(device, torch.float32, [(5, 1), (0, 70), (9, 30)], heads=2, nope=120, rope=16, v=64, lora=32)
 
 
