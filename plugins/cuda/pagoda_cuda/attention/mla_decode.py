@@ -93,10 +93,10 @@ def _mla_decode_kernel(ql_ptr, stride_qlb, stride_qlh, qp_ptr, stride_qpb, strid
     if UPCAST:
         q_lat = q_lat.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
-    qk_scale = scale * 1.4426950408889634
     kv_scale = 1.0
-    if HAS_SCALE:
+    if HAS_SCALE:  # an fp8 cache holds entry / scale: the scale multiplies the scores and the output
         kv_scale = tl.load(kv_scale_ptr)
+    qk_scale = scale * kv_scale * 1.4426950408889634
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_L], dtype=tl.float32)
@@ -109,9 +109,6 @@ def _mla_decode_kernel(ql_ptr, stride_qlb, stride_qlh, qp_ptr, stride_qpb, strid
         lat = tl.load(cache_ptr + row[:, None] + lo[None, :], mask=nmask[:, None] & lmask[None, :], other=0.0)
         pe = tl.load(cache_ptr + row[:, None] + LORA + ro[None, :], mask=nmask[:, None] & rmask[None, :],
                      other=0.0)
-        if HAS_SCALE:  # an fp8 cache holds entry / scale
-            lat = lat.to(tl.float32) * kv_scale
-            pe = pe.to(tl.float32) * kv_scale
         if UPCAST:
             lat = lat.to(tl.float32)
             pe = pe.to(tl.float32)
@@ -138,6 +135,7 @@ def _mla_decode_kernel(ql_ptr, stride_qlb, stride_qlh, qp_ptr, stride_qpb, strid
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
+    acc = acc * kv_scale
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]
         tl.store(out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + lo[None, :],
