@@ -51,20 +51,25 @@ def _paged(batch: int, ctx: int, nk: int, hd: int, block: int = 16, dtype=torch.
 
 def bench_decode(rows: list, nq: int, nk: int, hd: int, batch: int, ctx: int, sweep: bool,
                  fp8: bool = False) -> None:
-    """The decode kernel at one shape (``fp8``: over an fp8 cache with scales, chosen tile only)."""
+    """The decode kernel at one shape (``fp8``: over an fp8 cache with scales)."""
     from pagoda_cuda.attention.decode import choose_splits, decode_config, paged_decode
 
     q = torch.randn(batch, nq, hd, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     nbytes = batch * ctx * nk * hd * 2 * (1 if fp8 else 2)
-    if fp8:
+    if fp8:  # the chosen tile and, with ``sweep``, longer key tiles (a byte-sized tile holds twice the keys)
         cache, tables, lens = _paged(batch, ctx, nk, hd)
         cache = cache.to(torch.float8_e4m3fn)
         one = torch.ones((), device="cuda", dtype=torch.float32)
-        _timed(rows, "decode attention fp8 cache", f"B{batch} ctx{ctx} nq{nq} nk{nk} d{hd}",
-               decode_config(hd, nq // nk), lambda: paged_decode(
-                   q, cache[0], cache[1], tables, lens, out, hd ** -0.5, choose_splits(batch, nk, ctx, q.device),
-                   kv_scales={"k_scale": one, "v_scale": one}), nbytes=nbytes)
+        splits = choose_splits(batch, nk, ctx, q.device)
+        configs = [decode_config(hd, nq // nk, fp8=True)]
+        if sweep:
+            configs += [(64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (64, 4, 4), (32, 4, 4)]
+        for cfg in dict.fromkeys(configs):
+            _timed(rows, "decode attention fp8 cache", f"B{batch} ctx{ctx} nq{nq} nk{nk} d{hd}", cfg,
+                   lambda cfg=cfg: paged_decode(q, cache[0], cache[1], tables, lens, out, hd ** -0.5, splits,
+                                                config=cfg, kv_scales={"k_scale": one, "v_scale": one}),
+                   nbytes=nbytes)
         return
     chosen = choose_splits(batch, nk, ctx, q.device)
     default = decode_config(hd, nq // nk)
@@ -316,7 +321,8 @@ def main(argv=None) -> int:
         ("decode:qwen3-0.6b", lambda: bench_decode(rows, 16, 8, 128, 256, 640, sweep)),
         ("decode:qwen3-0.6b-524", lambda: bench_decode(rows, 16, 8, 128, 256, 524, sweep)),  # its mean context
         ("decode:qwen3-0.6b-576", lambda: bench_decode(rows, 16, 8, 128, 256, 576, False)),  # 9 whole tiles
-        ("decode:qwen3-0.6b-fp8", lambda: bench_decode(rows, 16, 8, 128, 256, 640, False, fp8=True)),
+        ("decode:qwen3-0.6b-fp8", lambda: bench_decode(rows, 16, 8, 128, 256, 640, sweep, fp8=True)),
+        ("decode:phi3-mini-fp8", lambda: bench_decode(rows, 32, 32, 96, 256, 640, sweep, fp8=True)),
         ("decode:phi3-mini", lambda: bench_decode(rows, 32, 32, 96, 256, 640, sweep)),
         ("decode:qwen3-30b-a3b", lambda: bench_decode(rows, 32, 4, 128, 256, 640, sweep)),
         ("decode:long", lambda: bench_decode(rows, 16, 8, 128, 4, 16384, False)),  # long context, split
