@@ -133,6 +133,10 @@ def _prefill_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, st
     if UPCAST:
         q = q.to(tl.float32)
         qr = qr.to(tl.float32)
+    elif HAS_SCALE and not IEEE:  # an fp8 cache widens to fp16 faster than to bf16: fp16 dots (queries
+        # clamped to fp16's range; float32 accumulation), as in the decode kernel
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        qr = tl.minimum(tl.maximum(qr.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     qpos = ctx + m  # absolute position of each query
 
     hi = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
