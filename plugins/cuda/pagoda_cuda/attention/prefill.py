@@ -106,7 +106,7 @@ def _prefill_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, st
                     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, USE_WINDOW: tl.constexpr,
                     USE_CAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, HAS_SCALE: tl.constexpr,
-                    ROPE: tl.constexpr, BLOCK_R: tl.constexpr):
+                    ROPE: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F16: tl.constexpr):
     tile = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // GROUP
@@ -133,7 +133,7 @@ def _prefill_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, st
     if UPCAST:
         q = q.to(tl.float32)
         qr = qr.to(tl.float32)
-    elif HAS_SCALE and not IEEE:  # an fp8 cache widens to fp16 faster than to bf16: fp16 dots (queries
+    elif DOT_F16:  # an fp8 cache widens to fp16 faster than to bf16: fp16 dots (queries
         # clamped to fp16's range; float32 accumulation), as in the decode kernel
         q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
         qr = tl.minimum(tl.maximum(qr.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
@@ -256,5 +256,6 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         HAS_SCALE=bool(kv_scales), GROUP=nq // nk, HEAD=head, BLOCK_D=max(16, next_pow2(head)), HEAD_V=head_v,
         BLOCK_DV=max(16, next_pow2(head_v)), BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
         USE_WINDOW=bool(sliding_window), USE_CAP=bool(soft_cap), UPCAST=interpreting(),
-        IEEE=q.dtype == torch.float32, ROPE=rope, BLOCK_R=max(16, next_pow2(rope)), num_warps=num_warps,
+        IEEE=q.dtype == torch.float32, ROPE=rope, BLOCK_R=max(16, next_pow2(rope)),
+        DOT_F16=k_cache.element_size() == 1 and q.dtype != torch.float32, num_warps=num_warps,
         num_stages=num_stages)
