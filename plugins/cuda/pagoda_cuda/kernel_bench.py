@@ -130,11 +130,10 @@ def bench_mla_decode(rows: list, batch: int, ctx: int, sweep: bool, heads: int =
     flops = batch * heads * ctx * (2 * lora + rope) * 2
     configs = [mla_config(lora)]
     if sweep:
-        # (earlier sweeps: 16 heads, 8 warps with 32 heads, 16- and 64-key tiles, 1 and 3 stages all slower)
-        configs += [(64, 32, 8, 2), (32, 32, 4, 2, 2), (64, 32, 4, 2, 2), (64, 32, 8, 2, 2), (64, 16, 8, 2, 2),
-                    (64, 32, 8, 2, 4), (128, 32, 8, 2, 4), (64, 64, 8, 2, 2), (32, 32, 8, 2, 2)]
+        configs += [(16, 32, 8, 2), (32, 32, 8, 2), (16, 32, 4, 2), (16, 64, 4, 2), (32, 64, 4, 2), (32, 16, 4, 2),
+                    (32, 32, 4, 3), (32, 32, 4, 1), (64, 32, 4, 2), (64, 32, 8, 2)]
     for cfg in dict.fromkeys(configs):
-        splits = mla_splits(batch, heads, ctx, torch.device("cuda"), lora, config=cfg)
+        splits = mla_splits(batch, heads, ctx, torch.device("cuda"), lora, block_h=cfg[0])
         _timed(rows, "mla decode", f"B{batch} ctx{ctx} h{heads} splits{splits}", cfg,
                lambda cfg=cfg, splits=splits: mla_decode(q_lat, q_pe, cache, tables, lens, out, 0.1, splits,
                                                          config=cfg),

@@ -71,13 +71,9 @@ def _mla_decode_kernel(ql_ptr, stride_qlb, stride_qlh, qp_ptr, stride_qpb, strid
                        LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
                        NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                       HAS_SCALE: tl.constexpr, BLOCK_V: tl.constexpr):
-    # BLOCK_V < BLOCK_L: the program accumulates only columns [vs * BLOCK_V, +BLOCK_V) of the
-    # output latent (the scores are computed whole by each of the BLOCK_L / BLOCK_V programs of
-    # a head block): a smaller accumulator, in exchange for repeating the scores
+                       HAS_SCALE: tl.constexpr):
     b = tl.program_id(0)
-    vs = tl.program_id(1) % (BLOCK_L // BLOCK_V)
-    heads = tl.program_id(1) // (BLOCK_L // BLOCK_V) * BLOCK_H + tl.arange(0, BLOCK_H)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -89,8 +85,6 @@ def _mla_decode_kernel(ql_ptr, stride_qlb, stride_qlh, qp_ptr, stride_qpb, strid
     ro = tl.arange(0, BLOCK_R)
     lmask = lo < LORA
     rmask = ro < ROPE
-    vo = vs * BLOCK_V + tl.arange(0, BLOCK_V)
-    vmask = vo < LORA
     b64 = b.to(tl.int64)
     q_lat = tl.load(ql_ptr + b64 * stride_qlb + heads[:, None] * stride_qlh + lo[None, :],
                     mask=hmask[:, None] & lmask[None, :], other=0.0)
@@ -105,7 +99,7 @@ def _mla_decode_kernel(ql_ptr, stride_qlb, stride_qlh, qp_ptr, stride_qpb, strid
     qk_scale = scale * kv_scale * 1.4426950408889634
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_V], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_L], dtype=tl.float32)
     table_row = tables_ptr + b64 * stride_tb
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
@@ -115,17 +109,11 @@ def _mla_decode_kernel(ql_ptr, stride_qlb, stride_qlh, qp_ptr, stride_qpb, strid
         lat = tl.load(cache_ptr + row[:, None] + lo[None, :], mask=nmask[:, None] & lmask[None, :], other=0.0)
         pe = tl.load(cache_ptr + row[:, None] + LORA + ro[None, :], mask=nmask[:, None] & rmask[None, :],
                      other=0.0)
-        if BLOCK_V == BLOCK_L:
-            lat_v = lat
-        else:  # this program's columns, loaded again (from cache: the tile was just read whole)
-            lat_v = tl.load(cache_ptr + row[:, None] + vo[None, :], mask=nmask[:, None] & vmask[None, :], other=0.0)
         if UPCAST:
             lat = lat.to(tl.float32)
-            lat_v = lat_v.to(tl.float32)
             pe = pe.to(tl.float32)
         else:
             lat = lat.to(q_lat.dtype)
-            lat_v = lat_v.to(q_lat.dtype)
             pe = pe.to(q_lat.dtype)
         if IEEE:
             s = tl.dot(q_lat, tl.trans(lat), input_precision="ieee")
@@ -139,36 +127,35 @@ def _mla_decode_kernel(ql_ptr, stride_qlb, stride_qlh, qp_ptr, stride_qpb, strid
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if UPCAST:
-            pv = tl.dot(p, lat_v)
+            pv = tl.dot(p, lat)
         elif IEEE:
-            pv = tl.dot(p, lat_v, input_precision="ieee")
+            pv = tl.dot(p, lat, input_precision="ieee")
         else:
-            pv = tl.dot(p.to(lat_v.dtype), lat_v)
+            pv = tl.dot(p.to(lat.dtype), lat)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     acc = acc * kv_scale
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]
-        tl.store(out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + vo[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & vmask[None, :])
+        tl.store(out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + lo[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & lmask[None, :])
     else:
         base = (b64 * num_heads + heads) * NUM_SPLITS + split
         empty = l_i == 0.0
         safe_l = tl.where(empty, 1.0, l_i)
         out = acc / safe_l[:, None]
-        tl.store(part_out_ptr + base[:, None] * BLOCK_L + vo[None, :], out, mask=hmask[:, None] & vmask[None, :])
+        tl.store(part_out_ptr + base[:, None] * BLOCK_L + lo[None, :], out, mask=hmask[:, None] & lmask[None, :])
         tl.store(part_lse_ptr + base, tl.where(empty, float("-inf"), m_i + tl.log2(safe_l)), mask=hmask)
 
 
-# (BLOCK_H, BLOCK_N, num_warps, num_stages[, output column blocks]) for the latent widths DeepSeek
-# uses (512 + 64). H200,
+# (BLOCK_H, BLOCK_N, num_warps, num_stages) for the latent widths DeepSeek uses (512 + 64). H200,
 # 256 sequences x 520 tokens, 128 heads (kernel_bench): (32, 32, 4, 2) 316 us against 793 us for
 # the (16, 32, 8, 2) used before, 524 us with 8 warps, 355 us for 64 heads (8 warps, 2 splits)
 MLA_DECODE_CONFIG = (32, 32, 4, 2)
 
 
-def mla_config(lora: int) -> tuple[int, ...]:
+def mla_config(lora: int) -> tuple[int, int, int, int]:
     """The decode tile for a latent width: ``MLA_DECODE_CONFIG`` for wide latents, narrower
     tiles with four warps for the small latents of tests and small models."""
     if max(16, next_pow2(lora)) >= 512:
@@ -178,25 +165,24 @@ def mla_config(lora: int) -> tuple[int, ...]:
 
 def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, out: torch.Tensor, scale: float, num_splits: int,
-               kv_scale: torch.Tensor | None = None, config: tuple[int, ...] | None = None) -> None:
+               kv_scale: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None) -> None:
     """q_lat [B, N, L], q_pe [B, N, R] (last dims contiguous), kv_cache [num_blocks, block_size,
     L + R], block_tables [B, W], seq_lens [B] -> out [B, N, L] (probability-weighted latents).
     ``kv_scale`` (float32 0-dim): an fp8 cache holding entry / kv_scale. ``config`` (BLOCK_H,
-    BLOCK_N, num_warps, num_stages[, output column blocks]) overrides ``mla_config`` (kernel
-    sweeps); with C column blocks each head block's output latent is shared by C programs."""
+    BLOCK_N, num_warps, num_stages) overrides ``mla_config`` (kernel sweeps)."""
     b, heads, lora = q_lat.shape
     if b == 0:
         return
     rope = q_pe.shape[-1]
     page = kv_cache.shape[1]
     block_l, block_r = max(16, next_pow2(lora)), max(16, next_pow2(rope))
-    block_h, block_n, num_warps, num_stages, columns = (tuple(config or mla_config(lora)) + (1,))[:5]
+    block_h, block_n, num_warps, num_stages = config or mla_config(lora)
     if num_splits > 1:
         part_out = torch.empty((b, heads, num_splits, block_l), dtype=torch.float32, device=q_lat.device)
         part_lse = torch.empty((b, heads, num_splits), dtype=torch.float32, device=q_lat.device)
     else:
         part_out = part_lse = out
-    grid = (b, triton.cdiv(heads, block_h) * columns, num_splits)
+    grid = (b, triton.cdiv(heads, block_h), num_splits)
     _mla_decode_kernel[grid](
         q_lat, q_lat.stride(0), q_lat.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1), kv_cache, kv_cache.stride(0),
         kv_cache.stride(1), block_tables, block_tables.stride(0), block_tables.stride(1), seq_lens, out,
@@ -204,16 +190,14 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
         kv_scale if kv_scale is not None else seq_lens, heads, LORA=lora, ROPE=rope,
         BLOCK_H=block_h, BLOCK_L=block_l, BLOCK_R=block_r, BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits,
         UPCAST=interpreting(), IEEE=q_lat.dtype == torch.float32, HAS_SCALE=kv_scale is not None,
-        BLOCK_V=block_l // columns, num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _merge_kernel[(b, heads)](part_out, part_lse, out, out.stride(0), out.stride(1), HEAD=lora, BLOCK_D=block_l,
                                   NUM_SPLITS=num_splits, BLOCK_S=max(2, next_pow2(num_splits)), num_warps=4)
 
 
 def mla_splits(num_seqs: int, num_heads: int, max_seq_len: int, device: torch.device, lora: int = 512,
-               config: tuple[int, ...] | None = None) -> int:
-    """Context splits for a decode batch: ``choose_splits`` over the programs of one sequence
-    (head blocks times output column blocks) of ``config`` (default: ``mla_config``'s)."""
-    config = tuple(config or mla_config(lora))
-    columns = config[4] if len(config) > 4 else 1
-    return choose_splits(num_seqs, triton.cdiv(num_heads, config[0]) * columns, max_seq_len, device)
+               block_h: int | None = None) -> int:
+    """Context splits for a decode batch: ``choose_splits`` over the head blocks of ``block_h``
+    heads (default: ``mla_config``'s)."""
+    return choose_splits(num_seqs, triton.cdiv(num_heads, block_h or mla_config(lora)[0]), max_seq_len, device)
