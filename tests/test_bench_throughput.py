@@ -66,6 +66,18 @@ def test_cpu_run_writes_the_result_file(tmp_path, capsys):
     assert sum(seconds for _, _, seconds in host["top_own_seconds"]) <= host["wall_seconds"]
     assert res["baseline"]["engine"] == "transformers" and res["baseline"]["output_tokens"] == 36
     assert res["engine_config"]["max_model_len"] == 20  # input + output unless given
+    assert res["model"]["kv_cache_dtype"] == res["dtype"] and "KV cache" not in printed.splitlines()[0]
+
+
+def test_header_names_a_quantized_kv_cache():
+    """A cache kept in another type than the model's (``--kv-cache-dtype fp8``) is named in the
+    printed header, so that its numbers are not read as the model dtype's."""
+    from pagoda.bench.throughput import _kv_cache_note
+
+    assert _kv_cache_note({"dtype": "bfloat16", "model": {"kv_cache_dtype": "float8_e4m3fn"}}) == \
+        ", KV cache float8_e4m3fn"
+    assert _kv_cache_note({"dtype": "bfloat16", "model": {"kv_cache_dtype": "bfloat16"}}) == ""
+    assert _kv_cache_note({"dtype": "bfloat16", "model": {}}) == ""  # result files written before the field
 
 
 def test_unknown_shape_and_model_with_shape_are_refused(tmp_path, capsys):

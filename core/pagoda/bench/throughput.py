@@ -193,6 +193,7 @@ def run(args) -> int:
             "model": {"shape": args.shape, "path": None if args.shape else config.model,
                       "architecture": (getattr(hf_config, "architectures", None) or ["?"])[0],
                       "weight_bytes": counts["weight_bytes"], "kv_bytes_per_token": runner.kv_bytes_per_token(),
+                      "kv_cache_dtype": str(runner.kv_cache_dtype()).removeprefix("torch."),
                       "attention_backends": {k: b.name for k, b in runner.backends.items()},
                       "cuda_graphs": runner.graphs is not None},
             "workload": {**asdict(work), "ignore_eos": args.ignore_eos, "repeats": args.repeats,
@@ -251,6 +252,12 @@ def format_baseline(res: dict) -> str:
             f"{res['best']['output_tok_s'] / b['output_tok_s']:.1f}x")
 
 
+def _kv_cache_note(res: dict) -> str:
+    """', KV cache <dtype>' where the cache is not kept in the model dtype (e.g. fp8)."""
+    kv = res["model"].get("kv_cache_dtype")
+    return f", KV cache {kv}" if kv and kv != res["dtype"] else ""
+
+
 def format_result(res: dict) -> list[str]:
     w, best, floor = res["workload"], res["best"], res["roofline"]
     name = res["model"]["shape"] or res["model"]["path"]
@@ -259,7 +266,8 @@ def format_result(res: dict) -> list[str]:
     spread = ", ".join(f"{r['output_tok_s']:,.0f}" for r in res["runs"])
     lines = [
         f"pagoda bench throughput: {name} ({res['model']['architecture']}), {w['num_prompts']} prompts x "
-        f"{w['input_len']} in x {w['output_len']} out, {res['dtype']} on {res['device']}",
+        f"{w['input_len']} in x {w['output_len']} out, {res['dtype']} on {res['device']}"
+        f"{_kv_cache_note(res)}",
         f"  requests/s       {best['requests_per_s']:,.2f}",
         f"  output tok/s     {best['output_tok_s']:,.0f}   (runs: {spread})",
         f"  total tok/s      {best['total_tok_s']:,.0f}",
