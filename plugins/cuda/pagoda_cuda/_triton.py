@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import triton
+import triton.language as tl
 from pagoda.kernels.triton_support import interpreting, prepare_interpreter
 
-__all__ = ["interpreting", "next_pow2", "sm_count"]
+__all__ = ["interpreting", "mma", "next_pow2", "sm_count", "tanh", "to_f16"]
 
 prepare_interpreter()
 
@@ -27,3 +28,28 @@ def sm_count(device) -> int:
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SM_COUNT[index]
+
+
+@triton.jit
+def tanh(x):
+    return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
+
+
+@triton.jit
+def mma(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """a @ b on the matrix units, float32 accumulation: plain for ``UPCAST`` (the interpreter's
+    float32 copies), full float32 precision for ``IEEE`` (float32 models), else ``a`` in ``b``'s
+    type (bf16 / fp16 operands)."""
+    if UPCAST:
+        c = tl.dot(a, b)
+    elif IEEE:
+        c = tl.dot(a, b, input_precision="ieee")
+    else:
+        c = tl.dot(a.to(b.dtype), b)
+    return c
+
+
+@triton.jit
+def to_f16(x):
+    """``x`` as fp16, clamped to its range (the fp16 dots over an fp8 KV cache)."""
+    return tl.minimum(tl.maximum(x.to(tl.float32), -65504.0), 65504.0).to(tl.float16)

@@ -6,7 +6,8 @@ that head's K and V pages once, so each cached byte is read once per step. With
 ``num_splits > 1`` each program covers one slice of the context and writes a partial
 result plus its log-sum-exp; a second kernel merges the slices. The split count depends
 only on the batch size (and a length hint), never on device values, so the launch can
-be captured in a CUDA graph. An fp8 cache is widened to fp16 for the dots (the queries too)
+be captured in a CUDA graph. Each key tile goes through ``key_tile`` (shared with the prefill
+kernel; every row is the newest token). An fp8 cache is widened to fp16 for the dots (the queries too)
 and its per-layer scales multiply the scores and the output, not every element.
 """
 
@@ -16,14 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda_cuda._triton import interpreting, next_pow2, sm_count
+from pagoda_cuda._triton import interpreting, next_pow2, sm_count, to_f16
+from pagoda_cuda.attention.key_tile import key_tile
 
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _tanh(x):
-    return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
 
 
 @triton.jit
@@ -64,53 +61,24 @@ def _decode_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, str
         q = q.to(tl.float32)
     elif DOT_F16:  # an fp8 cache widens to fp16 faster than to bf16 (H200: 148 vs 179 us per layer at
         # Qwen3-0.6B's shape); |q| is kept within fp16's range (scores keep float32 accumulation)
-        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        q = to_f16(q)
     v_scale = 1.0
     if HAS_SCALE:  # an fp8 cache holds k / k_scale and v / v_scale: the scales multiply the
         # scores and the output, not every loaded element (that made the fp8 cache slower than bf16)
         scale = scale * tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
-    qk_scale = scale * 1.4426950408889634  # exp2 domain
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     table_row = tables_ptr + b.to(tl.int64) * stride_tb
-    head_off = kvh.to(tl.int64) * stride_ch
+    k_base = k_cache + kvh.to(tl.int64) * stride_ch
+    v_base = v_cache + kvh.to(tl.int64) * stride_ch
+    qpos = tl.full([BLOCK_H], 0, tl.int32) + seq_len - 1  # every row is the sequence's newest token
+    r = tl.arange(0, 16)  # no rotary part (MLA only)
     for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        nmask = n < end
-        page = tl.load(table_row + (n // PAGE) * stride_tn, mask=nmask, other=0).to(tl.int64)
-        off = page * stride_cb + (n % PAGE).to(tl.int64) * stride_cs + head_off
-        kvmask = nmask[:, None] & dmask[None, :]
-        k = tl.load(k_cache + off[:, None] + d[None, :], mask=kvmask, other=0.0)
-        v = tl.load(v_cache + off[:, None] + d[None, :], mask=kvmask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        else:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        if USE_CAP:
-            s = soft_cap * _tanh(s * scale / soft_cap) * 1.4426950408889634
-        else:
-            s = s * qk_scale
-        s = tl.where(nmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if UPCAST:
-            pv = tl.dot(p, v)
-        elif IEEE:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        acc, m_i, l_i = key_tile(acc, m_i, l_i, q, q, n0, end, qpos, window, table_row, stride_tn, k_base, v_base,
+                                 stride_cb, stride_cs, stride_cb, stride_cs, k_cache, 0, 0, d, dmask, d, dmask, r,
+                                 r < 0, scale, soft_cap, BLOCK_N, PAGE, True, USE_WINDOW, USE_CAP, UPCAST, IEEE, 0)
 
     if HAS_SCALE:
         acc = acc * v_scale

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda_cuda._triton import interpreting, next_pow2
+from pagoda_cuda._triton import interpreting, mma, next_pow2
 from pagoda_cuda.attention.decode import _merge_kernel, choose_splits
 
 
@@ -115,23 +115,13 @@ def _mla_decode_kernel(ql_ptr, stride_qlb, stride_qlh, qp_ptr, stride_qpb, strid
         else:
             lat = lat.to(q_lat.dtype)
             pe = pe.to(q_lat.dtype)
-        if IEEE:
-            s = tl.dot(q_lat, tl.trans(lat), input_precision="ieee")
-            s += tl.dot(q_pe, tl.trans(pe), input_precision="ieee")
-        else:
-            s = tl.dot(q_lat, tl.trans(lat))
-            s += tl.dot(q_pe, tl.trans(pe))
+        s = mma(q_lat, tl.trans(lat), UPCAST, IEEE) + mma(q_pe, tl.trans(pe), UPCAST, IEEE)
         s = tl.where(nmask[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if UPCAST:
-            pv = tl.dot(p, lat)
-        elif IEEE:
-            pv = tl.dot(p, lat, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(lat.dtype), lat)
+        pv = mma(p, lat, UPCAST, IEEE)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 

@@ -6,7 +6,7 @@ sees keys ``0 .. ctx + i`` (and, with a sliding window, only the last ``window``
 One program per (tile of BLOCK_M query tokens of one sequence, query head); the tiles are
 listed on the host (``tile_map``: sequence index, first query token of the tile).
 Key tiles that every row of the query tile sees whole (before its first query, inside every
-row's window) skip the masking (``_key_tile`` with MASKED=False); only the diagonal band and
+row's window) skip the masking (``key_tile`` with MASKED=False); only the diagonal band and
 window-cut tiles pay for it, as in the classic causal flash-attention kernels.
 """
 
@@ -18,83 +18,8 @@ import triton
 import triton.language as tl
 from pagoda.kernels.host_upload import upload
 
-from pagoda_cuda._triton import interpreting, next_pow2
-
-
-@triton.jit
-def _tanh(x):
-    return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
-
-
-@triton.jit
-def _key_tile(acc, m_i, l_i, q, qr, n0, hi, qpos, window, table_row, stride_tn, k_base, v_base, stride_cb,
-              stride_cs, stride_vb, stride_vs, kr_cache, stride_rb, stride_rs, d, dmask, dv, dvmask, r, rmask, scale,
-              soft_cap, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, MASKED: tl.constexpr,
-              USE_WINDOW: tl.constexpr, USE_CAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-              ROPE: tl.constexpr):
-    """Keys n0 .. n0 + BLOCK_N folded into the running softmax (acc, m_i, l_i). MASKED=False:
-    every query row sees every key of the tile (no mask; each row's maximum is finite after it).
-    ROPE: the scores add qr . kr, the rotary parts of MLA's queries and keys kept in their own
-    tensors (a second, exactly sized dot instead of one over a concatenation padded to 256)."""
-    n = n0 + tl.arange(0, BLOCK_N)
-    in_page = (n % PAGE).to(tl.int64)
-    if MASKED:
-        nmask = n < hi
-        page = tl.load(table_row + (n // PAGE) * stride_tn, mask=nmask, other=0).to(tl.int64)
-        kmask = nmask[:, None] & dmask[None, :]
-        vmask = nmask[:, None] & dvmask[None, :]
-    else:
-        page = tl.load(table_row + (n // PAGE) * stride_tn).to(tl.int64)
-        kmask = dmask[None, :]
-        vmask = dvmask[None, :]
-    k = tl.load(k_base + (page * stride_cb + in_page * stride_cs)[:, None] + d[None, :], mask=kmask, other=0.0)
-    v = tl.load(v_base + (page * stride_vb + in_page * stride_vs)[:, None] + dv[None, :], mask=vmask, other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    else:
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    if ROPE:
-        kr_rows = page * stride_rb + in_page * stride_rs
-        if MASKED:
-            kr = tl.load(kr_cache + kr_rows[:, None] + r[None, :], mask=nmask[:, None] & rmask[None, :], other=0.0)
-        else:
-            kr = tl.load(kr_cache + kr_rows[:, None] + r[None, :], mask=rmask[None, :], other=0.0)
-        if UPCAST:
-            kr = kr.to(tl.float32)
-        if IEEE:
-            s += tl.dot(qr, tl.trans(kr), input_precision="ieee")
-        else:
-            s += tl.dot(qr, tl.trans(kr.to(qr.dtype)))
-    if USE_CAP:
-        s = soft_cap * _tanh(s * scale / soft_cap) * 1.4426950408889634
-    else:
-        s = s * (scale * 1.4426950408889634)
-    if MASKED:
-        allowed = nmask[None, :] & (n[None, :] <= qpos[:, None])
-        if USE_WINDOW:
-            allowed = allowed & (n[None, :] > qpos[:, None] - window)
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed yet
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = m_new
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if UPCAST:
-        pv = tl.dot(p, v)
-    elif IEEE:
-        pv = tl.dot(p, v, input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    return acc * alpha[:, None] + pv, m_new, l_i
+from pagoda_cuda._triton import interpreting, next_pow2, to_f16
+from pagoda_cuda.attention.key_tile import key_tile
 
 
 @triton.jit
@@ -135,8 +60,8 @@ def _prefill_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, st
         qr = qr.to(tl.float32)
     elif DOT_F16:  # an fp8 cache widens to fp16 faster than to bf16: fp16 dots (queries
         # clamped to fp16's range; float32 accumulation), as in the decode kernel
-        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
-        qr = tl.minimum(tl.maximum(qr.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        q = to_f16(q)
+        qr = to_f16(qr)
     qpos = ctx + m  # absolute position of each query
 
     hi = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
@@ -165,17 +90,17 @@ def _prefill_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, st
         u_lo = lo + (tl.maximum(hi - window - lo, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
         u_lo = tl.minimum(u_lo, u_hi)
         for n0 in range(lo, u_lo, BLOCK_N):
-            acc, m_i, l_i = _key_tile(acc, m_i, l_i, q, qr, n0, hi, qpos, window, table_row, stride_tn, k_base,
+            acc, m_i, l_i = key_tile(acc, m_i, l_i, q, qr, n0, hi, qpos, window, table_row, stride_tn, k_base,
                                       v_base, stride_cb, stride_cs, stride_vb, stride_vs, kr_cache, stride_rb,
                                       stride_rs, d, dmask, dv, dvmask, r, rmask, scale, soft_cap,
                                       BLOCK_N, PAGE, True, USE_WINDOW, USE_CAP, UPCAST, IEEE, ROPE)
     for n0 in range(u_lo, u_hi, BLOCK_N):
-        acc, m_i, l_i = _key_tile(acc, m_i, l_i, q, qr, n0, hi, qpos, window, table_row, stride_tn, k_base, v_base,
+        acc, m_i, l_i = key_tile(acc, m_i, l_i, q, qr, n0, hi, qpos, window, table_row, stride_tn, k_base, v_base,
                                   stride_cb, stride_cs, stride_vb, stride_vs, kr_cache, stride_rb, stride_rs, d, dmask,
                                   dv, dvmask, r, rmask, scale, soft_cap, BLOCK_N, PAGE, False,
                                   USE_WINDOW, USE_CAP, UPCAST, IEEE, ROPE)
     for n0 in range(u_hi, hi, BLOCK_N):
-        acc, m_i, l_i = _key_tile(acc, m_i, l_i, q, qr, n0, hi, qpos, window, table_row, stride_tn, k_base, v_base,
+        acc, m_i, l_i = key_tile(acc, m_i, l_i, q, qr, n0, hi, qpos, window, table_row, stride_tn, k_base, v_base,
                                   stride_cb, stride_cs, stride_vb, stride_vs, kr_cache, stride_rb, stride_rs, d, dmask,
                                   dv, dvmask, r, rmask, scale, soft_cap, BLOCK_N, PAGE, True,
                                   USE_WINDOW, USE_CAP, UPCAST, IEEE, ROPE)

@@ -10,12 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda_cuda._triton import tanh
+
 BLOCK = 1024
-
-
-@triton.jit
-def _tanh(x):
-    return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
 
 
 @triton.jit
@@ -28,7 +25,7 @@ def _gated_kernel(x_ptr, x_stride, out_ptr, out_stride, inner, ACT: tl.constexpr
     if ACT == "silu":
         act = gate / (1.0 + tl.exp(-gate))
     else:  # gelu, tanh approximation
-        act = 0.5 * gate * (1.0 + _tanh(0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)))
+        act = 0.5 * gate * (1.0 + tanh(0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)))
     act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * out_stride + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -53,5 +50,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [T, 2I] -> gelu_tanh(x[:, :I]) * x[:, I:]."""
+    """x [T, 2I] -> gelutanh(x[:, :I]) * x[:, I:]."""
     return _gated(x, "gelu")
