@@ -8,7 +8,8 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 . .venv/bin/activate
-pip_install() { python -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v -E "^WARNING: Location|is ignored" || true; }
+# pip's own exit status decides (pipefail); only the filter's "nothing left to print" is ignored
+pip_install() { python -m pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v -E "^WARNING: Location|is ignored" || true; }; }
 pip_install --upgrade pip
 pip_install "torch==2.13.0" "triton==3.6.0"
 pip_install -r requirements-dev.txt
