@@ -63,9 +63,9 @@ CHAT_CASES = [  # (changes to a valid chat request, the field the error must nam
     ({"max_completion_tokens": -5}, "max_completion_tokens"),
     ({"presence_penalty": 3}, "presence_penalty"),
     ({"frequency_penalty": -9}, "frequency_penalty"),
-    ({"stop": [""]}, "stop"),
+    ({"stop": [""]}, "stop[0]"),
     ({"seed": "abc"}, "seed"),
-    ({"logprobs": True, "top_logprobs": 50}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logit_bias": {"5": 10}}, "logit_bias"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
@@ -73,7 +73,7 @@ CHAT_CASES = [  # (changes to a valid chat request, the field the error must nam
     ({"messages": []}, "messages"),
     ({"messages": [{"content": "no role"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages[0].content[0]"),
+     "messages[0].content[0].type"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
 ]
 
@@ -87,8 +87,8 @@ def test_invalid_chat_fields_are_400_naming_the_field(server, change, param):
 
 def test_invalid_completion_requests(server):
     for body, param in [({"model": "tiny"}, "prompt"), ({"prompt": [], "model": "tiny"}, "prompt"),
-                        ({"prompt": [5, 999], "model": "tiny"}, "prompt"),  # token id outside the vocabulary
-                        ({"prompt": [3, -1]}, "prompt"), ({"prompt": "a", "best_of": 3}, "best_of"),
+                        ({"prompt": [5, 999], "model": "tiny"}, "prompt[1]"),  # token id outside the vocabulary
+                        ({"prompt": [3, -1]}, "prompt[1]"), ({"prompt": "a", "best_of": 3}, "best_of"),
                         ({"prompt": "a", "suffix": "z"}, "suffix"),
                         ({"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
                         ({"prompt": "a", "logprobs": 21}, "logprobs")]:

@@ -64,6 +64,8 @@ class EngineConfig(BaseModel):
                                          "the expert-parallel ranks, e.g. a balanced placement from "
                                          "`pagoda bench throughput`; default: equal contiguous blocks")
     max_logprobs: int = Field(20, ge=0, description="largest logprobs a request may ask for")
+    max_n: int = Field(128, gt=0, description="most completions one request may produce: n (and best_of), "
+                       "times the number of prompts of a completions request; each is a sequence in the batch")
     skip_tokenizer_init: bool = Field(False, description="token ids in, token ids out")
     load_format: Literal["auto", "dummy"] = Field("auto", description="dummy: random weights of the "
                                                   "model's shapes (benchmarks)")

@@ -20,9 +20,12 @@ class ModelLoadError(PagodaError):
 class RequestError(PagodaError, ValueError):
     """A request that cannot be served: bad sampling parameters, prompt too long.
 
-    ``field`` names the request field at fault (e.g. ``"temperature"``, ``"prompt"``).
+    ``field`` names the request field at fault (e.g. ``"temperature"``, ``"prompt"``); ``code`` is
+    set for what a field's own type and range cannot say (``"invalid_combination"``: fields that
+    contradict each other; ``"context_length_exceeded"``).
     """
 
-    def __init__(self, message: str, field: str | None = None):
+    def __init__(self, message: str, field: str | None = None, code: str | None = None):
         super().__init__(message)
         self.field = field
+        self.code = code

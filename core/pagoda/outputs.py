@@ -22,7 +22,7 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     # per generated token: {token_id: Logprob} holding the sampled token and the top-k
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None  # "stop", "length", "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort", "error" (see RequestOutput.error)
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
     def finished(self) -> bool:
@@ -48,3 +48,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    # set when the request failed inside a step (its row could not be sampled or detokenized): the
+    # other requests of that step went on; this one ended with finish_reason "error"
+    error: str | None = None

@@ -9,7 +9,7 @@ before penalties and temperature), as in vLLM.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,9 +21,14 @@ class SampleResult:
     tokens: list[int]
     # per row: None, or (sampled logprob, sampled rank, [(token, logprob), ...] top-n)
     logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
+    # rows that could not be sampled, and why: their request fails, the other rows keep their tokens
+    failed: dict[int, BaseException] = field(default_factory=dict)
 
 
 class Sampler:
+    """Samples a batch; a failure pinned to one row (its penalties, its generator, its logprobs,
+    or the batched selection retried row by row) fails that row only."""
+
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
@@ -49,42 +54,91 @@ class Sampler:
             # argmax before the float32 upcast: the same index (the upcast is exact and
             # monotonic), without writing a float32 copy of [N, vocab]
             return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
-        logits = logits.float()
-        raw = logits
-        if any(p.needs_penalties for p in params):
-            logits = logits.clone()
-            for i, seq in enumerate(seqs):
-                if seq.params.needs_penalties:
-                    _apply_penalties(logits[i], seq)
-        tokens = logits.argmax(dim=-1)
+        failed: dict[int, BaseException] = {}
+        raw = logits.float()
+        logits = self._penalised(raw, seqs, failed)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
-            sub = logits.index_select(0, rows)
-            temps = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
-            probs = _filtered_probs(sub / temps[:, None], [params[i] for i in random_rows])
-            noise = torch.empty_like(probs)
-            for j, i in enumerate(random_rows):
-                if seqs[i].seed is not None:
-                    noise[j].exponential_(generator=self._generator(seqs[i]))
-                else:
-                    noise[j].exponential_(generator=self.generator)
-            tokens[rows] = (probs / noise).argmax(dim=-1)
-        token_list = tokens.tolist()
+        noise = self._noise(logits.shape[-1], seqs, random_rows, failed)
+        try:
+            token_list = _select(logits, params, random_rows, noise).tolist()
+        except Exception:  # pin the failure down: the same selection, one row at a time
+            token_list = [0] * len(seqs)
+            for i in range(len(seqs)):
+                if i in failed:
+                    continue
+                try:
+                    j = random_rows.index(i) if i in random_rows else None
+                    one = _select(logits[i:i + 1], [params[i]], [0] if j is not None else [],
+                                  None if j is None else noise[j:j + 1])
+                    token_list[i] = int(one[0])
+                except Exception as exc:
+                    failed[i] = exc
         out: list = [None] * len(seqs)
         if want_logprobs:
             logp = torch.log_softmax(raw, dim=-1)
             for i, p in enumerate(params):
-                if p.logprobs is None:
+                if p.logprobs is None or i in failed:
                     continue
-                chosen = logp[i, token_list[i]]
-                rank = int((logp[i] > chosen).sum().item()) + 1
-                top: list[tuple[int, float]] = []
-                if p.logprobs > 0:
-                    vals, ids = logp[i].topk(p.logprobs)
-                    top = list(zip(ids.tolist(), vals.tolist()))
-                out[i] = (float(chosen.item()), rank, top)
-        return SampleResult(token_list, out)
+                try:
+                    out[i] = _logprobs(logp[i], token_list[i], p.logprobs)
+                except Exception as exc:
+                    failed[i] = exc
+        for i in failed:
+            token_list[i] = 0  # never used: the engine fails the row's request
+        return SampleResult(token_list, out, failed)
+
+    def _penalised(self, logits: torch.Tensor, seqs: list[Sequence], failed: dict) -> torch.Tensor:
+        """The logits with each row's repetition/frequency/presence penalties applied (a copy)."""
+        if not any(s.params.needs_penalties for s in seqs):
+            return logits
+        logits = logits.clone()
+        for i, seq in enumerate(seqs):
+            if seq.params.needs_penalties:
+                try:
+                    _apply_penalties(logits[i], seq)
+                except Exception as exc:
+                    failed[i] = exc
+        return logits
+
+    def _noise(self, vocab: int, seqs: list[Sequence], rows: list[int], failed: dict) -> torch.Tensor | None:
+        """Exp(1) noise [len(rows), vocab] for the random rows, each drawn from its sequence's
+        own generator when it has a seed. Drawn once per step, before anything that can fail
+        as a batch, so a retry row by row draws nothing twice."""
+        if not rows:
+            return None
+        noise = torch.empty(len(rows), vocab, device=self.device)
+        for j, i in enumerate(rows):
+            try:
+                gen = self.generator if seqs[i].seed is None else self._generator(seqs[i])
+                noise[j].exponential_(generator=gen)
+            except Exception as exc:
+                failed[i] = exc
+                noise[j].fill_(1.0)
+        return noise
+
+
+def _select(logits: torch.Tensor, params: list, random_rows: list[int], noise: torch.Tensor | None) -> torch.Tensor:
+    """Token per row: the argmax for greedy rows; for random rows the exponential race over
+    their temperature-scaled, top-k/top-p/min-p filtered distribution."""
+    tokens = logits.argmax(dim=-1)
+    if random_rows:
+        rows = torch.tensor(random_rows, device=logits.device)
+        sub = logits.index_select(0, rows)
+        temps = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
+        probs = _filtered_probs(sub / temps[:, None], [params[i] for i in random_rows])
+        tokens[rows] = (probs / noise).argmax(dim=-1)
+    return tokens
+
+
+def _logprobs(logp: torch.Tensor, token: int, k: int) -> tuple[float, int, list[tuple[int, float]]]:
+    """(the token's logprob, its rank from 1, the top k as (token, logprob)) of one row [V]."""
+    chosen = logp[token]
+    rank = int((logp > chosen).sum().item()) + 1
+    top: list[tuple[int, float]] = []
+    if k > 0:
+        vals, ids = logp.topk(k)
+        top = list(zip(ids.tolist(), vals.tolist()))
+    return float(chosen.item()), rank, top
 
 
 def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:

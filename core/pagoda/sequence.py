@@ -16,11 +16,12 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # the request failed inside a step (see LLMEngine.fail_request)
 
     @property
     def finished(self) -> bool:
         return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
-                        SequenceStatus.FINISHED_ABORTED)
+                        SequenceStatus.FINISHED_ABORTED, SequenceStatus.FINISHED_ERROR)
 
 
 _seq_counter = itertools.count()
@@ -106,6 +107,7 @@ class Request:
     arrival_time: float
     seqs: list[Sequence] = field(default_factory=list)
     metrics: RequestMetrics | None = None
+    error: str | None = None  # why the request failed inside a step (its sequences end with "error")
 
     def __post_init__(self) -> None:
         if self.metrics is None:

@@ -46,6 +46,15 @@ class RequestAbortedError(PagodaError):
     """The engine aborted a request (shutdown, or the engine loop failed)."""
 
 
+class EngineFailedError(RequestAbortedError):
+    """The engine loop died (a bug or a device failure): every request in flight is ended."""
+
+
+class RequestFailedError(PagodaError):
+    """One request failed inside a step (its row could not be sampled or decoded); the engine
+    and the other requests went on."""
+
+
 _FINISHED = object()  # stream sentinel: no more outputs
 
 
@@ -129,6 +138,8 @@ class AsyncEngine:
         self._thread_done = False  # no command submitted from now on would be run by the thread
         self.accepting = True
         self.error: BaseException | None = None  # set when the engine loop failed
+        # called once, on the engine thread, when the loop dies (the server begins its exit)
+        self.on_failure: Callable[[BaseException], None] | None = None
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ lifecycle
@@ -193,7 +204,8 @@ class AsyncEngine:
 
     def _check_open(self) -> None:
         if self.error is not None:
-            raise EngineStoppedError(f"the engine failed and serves no more requests: {self.error}")
+            raise EngineStoppedError(f"the engine failed and serves no more requests "
+                                     f"({type(self.error).__name__}: {self.error}); the server is exiting")
         if not self.accepting or self._thread is None:
             raise EngineStoppedError("the server is shutting down and takes no new requests")
 
@@ -296,6 +308,12 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: B036 - a bug or a device failure: nothing can be pinned to a request
+            self._fail(exc)
+
+    def _loop(self) -> None:
         engine = self.engine
         while True:
             with self._cond:
@@ -314,22 +332,31 @@ class AsyncEngine:
             if not engine.has_unfinished_requests():
                 self._count_waiting()  # aborts may have emptied the queue without a step
                 continue
-            try:
-                outputs = engine.step()
-            except Exception as exc:  # a bug or a device failure: fail every request, refuse new ones
-                logger.exception("the engine loop failed")
-                self.error = exc
-                self.accepting = False
-                self._abort_all(RequestAbortedError(f"the engine failed: {exc}"))
-                return
-            for out in outputs:
+            # A failure pinned to one request ends that request inside the step (its output carries
+            # the error); an exception out of step() cannot be pinned and stops the engine.
+            for out in engine.step():
                 stream = self._streams.get(out.request_id)
                 if stream is None:
                     continue
                 if out.finished:
                     del self._streams[out.request_id]
-                stream._push(out)
+                stream._push(out if out.error is None else RequestFailedError(
+                    f"request {out.request_id} failed inside the engine and was ended ({out.error}); "
+                    f"the other requests were not affected"))
             self._count_waiting()
+
+    def _fail(self, exc: BaseException) -> None:
+        """The engine loop died: fail every request, refuse new ones, and tell ``on_failure``
+        (the server exits non-zero so that a supervisor restarts it)."""
+        logger.critical("the engine loop failed; no request can be served from now on", exc_info=exc)
+        self.error = exc
+        self.accepting = False
+        self._abort_all(EngineFailedError(f"the engine failed: {type(exc).__name__}: {exc}"))
+        if self.on_failure is not None:
+            try:
+                self.on_failure(exc)
+            except Exception:
+                logger.exception("the engine failure callback failed")
 
     def _count_waiting(self) -> None:
         """Snapshot for ``num_waiting`` (engine thread). A request with a running sequence has a seat."""

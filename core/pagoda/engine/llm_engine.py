@@ -126,7 +126,7 @@ class LLMEngine:
                     arrival_time: float | None = None) -> str:
         """Validate and queue a request. A bad request raises RequestError and changes nothing."""
         params = params or SamplingParams()
-        params.validate(self.config.max_logprobs)
+        self.validate_params(params)
         if request_id is None:
             request_id = f"req-{next(self._counter)}"
         if request_id in self.requests:
@@ -142,7 +142,7 @@ class LLMEngine:
         vocab = self.hf_config.vocab_size
         if not prompt_token_ids:
             raise RequestError("the prompt is empty", field="prompt")
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_token_ids):
+        if not all(type(t) is int and 0 <= t < vocab for t in prompt_token_ids):  # bools are not token ids
             raise RequestError(f"prompt token ids must be integers in [0, {vocab})", field="prompt")
         budget = self.max_model_len - len(prompt_token_ids)
         if budget < 1:
@@ -155,6 +155,11 @@ class LLMEngine:
         for seq in request.seqs:
             self.scheduler.add(seq)
         return request_id
+
+    def validate_params(self, params: SamplingParams) -> None:
+        """Check ``params`` against this engine's limits (max_logprobs, the vocabulary, max_n);
+        a bad field raises RequestError naming it."""
+        params.validate(self.config.max_logprobs, vocab_size=self.hf_config.vocab_size, max_n=self.config.max_n)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
@@ -188,7 +193,7 @@ class LLMEngine:
             return []
         self._mark_scheduled(out)
         result = self.runner.execute(out)
-        return self._complete_step(out, result.tokens, result.logprobs, finished_only, t0, t1)
+        return self._complete_step(out, result.tokens, result.logprobs, finished_only, t0, t1, failed=result.failed)
 
     def _mark_scheduled(self, out) -> None:
         for item in out.scheduled[out.num_decodes:]:  # decodes were scheduled before, as prefills
@@ -198,22 +203,30 @@ class LLMEngine:
                 m.num_cached_tokens = item.seq.num_computed_tokens
 
     def _complete_step(self, out, tokens: list[int], logprobs, finished_only: bool, t0: float,
-                       t1: float, advanced: bool = False) -> list[RequestOutput]:
+                       t1: float, advanced: bool = False,
+                       failed: dict[int, BaseException] | None = None) -> list[RequestOutput]:
         """After the model ran ``out`` and sampled ``tokens``: update the sequences (only commit
         the tokens when the scheduler already ``advanced`` past the step), build the outputs
-        and account the step's time (t0: start, t1: scheduled)."""
+        and account the step's time (t0: start, t1: scheduled). ``failed``: sampling rows that
+        could not be sampled; their requests fail, the others of the step go on."""
         t2 = time.perf_counter()
         seqs = [it.seq for it in out.scheduled if it.sample]
         sampled = {s.seq_id: tok for s, tok in zip(seqs, tokens)}
+        broken: dict[str, BaseException] = {seqs[row].request_id: exc for row, exc in (failed or {}).items()}
         if logprobs is not None:
             for seq, lp in zip(seqs, logprobs):
-                if lp is not None:
-                    self._record_logprob(seq, sampled[seq.seq_id], lp)
+                if lp is not None and seq.request_id not in broken:
+                    try:
+                        self._record_logprob(seq, sampled[seq.seq_id], lp)
+                    except Exception as exc:
+                        broken[seq.request_id] = exc
+        for rid, exc in broken.items():
+            self.fail_request(rid, exc)
         if advanced:
             touched = self.scheduler.commit(out, sampled, self.eos_token_ids)
         else:
             touched = self.scheduler.update(out, sampled, self.eos_token_ids)
-        outputs = self._process_outputs(touched, finished_only)
+        outputs = self._process_outputs(touched, finished_only, failed=list(broken))
         t3 = time.perf_counter()
         tm = self.times
         tm.steps += 1
@@ -235,11 +248,44 @@ class LLMEngine:
                 item.decoded_token = self.tokenizer.convert_ids_to_tokens(tid)
         seq.logprobs.append(entry)
 
-    def _process_outputs(self, touched: list[Sequence], finished_only: bool = False) -> list[RequestOutput]:
+    def fail_request(self, request_id: str, error: BaseException) -> None:
+        """End a request that failed inside a step (a row that could not be sampled, decoded or
+        constrained): its sequences finish with "error" and free their blocks; its final output
+        (built by the step) carries the message. Nothing else in the step is touched."""
+        request = self.requests.get(request_id)
+        if request is None or request.error is not None:
+            return
+        logger.error("request %s failed and was ended (the other requests go on): %s: %s", request_id,
+                     type(error).__name__, error, exc_info=error)
+        request.error = f"{type(error).__name__}: {error}"
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
+
+    def _detokenize(self, seqs: list[Sequence]) -> list[str]:
+        """Text deltas of ``seqs``, in one tokenizer call; if that call fails, one sequence at a
+        time, failing only the requests whose tokens cannot be decoded."""
+        try:
+            return self.detokenizer.step(seqs)
+        except Exception:
+            deltas = []
+            for seq in seqs:
+                try:
+                    deltas.append(self.detokenizer.step([seq])[0])
+                except Exception as exc:
+                    self.fail_request(seq.request_id, exc)
+                    deltas.append("")
+            return deltas
+
+    def _process_outputs(self, touched: list[Sequence], finished_only: bool = False,
+                         failed: list[str] = ()) -> list[RequestOutput]:
+        """Outputs of the requests whose sequences got a token (``touched``) or failed this step."""
         if self.detokenizer is not None:
             live = [s for s in touched if s.params.detokenize]
-            deltas = self.detokenizer.step(live)
+            deltas = self._detokenize(live)
             for seq, delta in zip(live, deltas):
+                if seq.status is SequenceStatus.FINISHED_ERROR:
+                    continue
                 stop = find_stop_string(seq, delta)
                 if stop is not None:
                     seq.stop_reason = stop
@@ -253,8 +299,10 @@ class LLMEngine:
                        if s.status is not running or len(s.token_ids) - len(s.prompt_token_ids) == 1]
         now = time.time()
         outputs = []
-        for rid in dict.fromkeys(s.request_id for s in touched):
-            request = self.requests[rid]
+        for rid in dict.fromkeys([*failed, *(s.request_id for s in touched)]):
+            request = self.requests.get(rid)
+            if request is None:  # failed, then touched: already reported above
+                continue
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             finished = request.finished
@@ -276,7 +324,7 @@ class LLMEngine:
                 logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
                 finish_reason=seq.finish_reason(), stop_reason=seq.stop_reason))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                             finished, request.metrics, request.metrics.num_cached_tokens)
+                             finished, request.metrics, request.metrics.num_cached_tokens, error=request.error)
 
     def enable_step_pipeline(self) -> None:
         """Pipeline offline steps on a device that does not do it by default (tests on a CPU,

@@ -25,6 +25,8 @@ from pagoda.server.config import ServerConfig
 from pagoda.server.errors import APIError, install_error_handlers, is_ollama_path
 from pagoda.server.frontend import Frontend
 from pagoda.server.metrics import CONTENT_TYPE, ServerMetrics
+from pagoda.server.openapi import served_document
+from pagoda.server.responses import Health
 
 PROTECTED_PREFIXES = ("/v1/", "/api/")  # /health and /metrics stay open (probes, scrapers)
 
@@ -80,6 +82,10 @@ class RequestGuard:
                 why = "missing API key" if token is None else "invalid API key"
                 return APIError(401, f"{why}: send 'Authorization: Bearer <key>'", code="invalid_api_key",
                                 headers={"WWW-Authenticate": "Bearer"})
+        failure = self.async_engine.error
+        if failure is not None:
+            return APIError(503, f"the engine failed ({type(failure).__name__}: {failure}); the server is exiting",
+                            code="engine_failed")
         if not self.async_engine.accepting:
             return APIError(503, "the server is shutting down", code="unavailable")
         length = _header(scope, b"content-length")
@@ -169,19 +175,32 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig | None = None) ->
     app.include_router(openai_routes.router)
     app.include_router(ollama_routes.router)
 
-    @app.get("/health")
+    @app.get("/health", response_model=Health, responses={
+        503: {"model": Health, "description": "shutting down (`stopping`), or the engine failed (`error`, with "
+                                               "the reason; the process exits non-zero moments later)"}})
     async def health() -> Response:
-        if async_engine.error is not None:
-            return JSONResponse({"status": "error", "error": str(async_engine.error)}, status_code=503)
+        failure = async_engine.error
+        if failure is not None:
+            return JSONResponse({"status": "error", "error": f"the engine failed ({type(failure).__name__}: "
+                                 f"{failure}); the server is exiting"}, status_code=503)
         if not async_engine.accepting or not async_engine.is_running:
             return JSONResponse({"status": "stopping"}, status_code=503)
         return JSONResponse({"status": "ok", "model": app.state.frontend.model_name})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={
+        200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def prometheus_metrics(request: Request) -> Response:
         stats = await async_engine.get_stats()
         return Response(metrics.render(stats), media_type=CONTENT_TYPE)
 
+    limits = app.state.frontend.limits
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = served_document(FastAPI.openapi(app), limits, api_keys=bool(config.api_keys))
+        return app.openapi_schema
+
+    app.openapi = openapi
     # (FastAPI keeps included routers as wrappers in app.routes: list their routes directly)
     routes = [r for r in (*openai_routes.router.routes, *ollama_routes.router.routes, *app.routes)
               if hasattr(r, "path")]

@@ -20,6 +20,7 @@ from pagoda.server.config import ServerConfig
 from pagoda.server.errors import APIError, bad_request
 from pagoda.server.formatting import TokenText
 from pagoda.server.metrics import ServerMetrics
+from pagoda.server.openapi import ServedLimits
 from pagoda.tokenizer import apply_chat_template
 
 
@@ -54,8 +55,16 @@ class Frontend:
         self.max_model_len = engine.max_model_len
         self.created = int(time.time())
         self.token_text = TokenText(self.tokenizer)
+        self.limits = ServedLimits.of(engine, self.model_name)
 
     # ------------------------------------------------------------------ request checks
+    def check_request(self, body) -> None:
+        """What every request goes through first: its model (404 if not the served one), the
+        served limits, and the fields pagoda refuses."""
+        self.check_model(body.model)
+        self.check_limits(body)
+        body.check_unsupported()
+
     def check_model(self, name: str | None) -> None:
         """None means the served model (OpenAI clients always send one; curl users may not)."""
         if name is None or name in (self.model_name, f"{self.model_name}:latest"):
@@ -63,22 +72,35 @@ class Frontend:
         raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                        param="model", code="model_not_found")
 
-    def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    def check_limits(self, body) -> None:
+        """The limits the document states for the served model (token ids, top_k, n, logprobs,
+        output and prompt lengths), enforced on a parsed body: 400 naming the field."""
+        try:
+            self.limits.check(body)
+        except RequestError as exc:
+            raise bad_request(str(exc), param=exc.field) from exc
+
+    def encode(self, text: str, add_special_tokens: bool, param: str, allow_empty: bool = False) -> list[int]:
         if self.tokenizer is None:
             raise bad_request("this model has no tokenizer: send the prompt as token ids", param=param)
         try:
-            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+            ids = list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         except Exception as exc:
-            raise bad_request(f"the prompt could not be tokenized: {exc}", param=param) from exc
+            raise bad_request(f"the prompt could not be tokenized: {exc}", param=param, code="invalid_prompt") from exc
+        if not ids and not allow_empty:
+            raise bad_request("the prompt tokenizes to no tokens", param=param, code="invalid_prompt")
+        return ids
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     param: str = "messages") -> str:
         try:
             return apply_chat_template(self.tokenizer, messages, add_generation_prompt)
         except ModelLoadError as exc:
-            raise bad_request(f"{exc}; use the completions endpoint with a plain prompt", param=param) from exc
+            raise bad_request(f"{exc}; use the completions endpoint with a plain prompt", param=param,
+                              code="chat_template_error") from exc
         except Exception as exc:  # the template itself refused the conversation (roles, order ...)
-            raise bad_request(f"the chat template could not render these messages: {exc}", param=param) from exc
+            raise bad_request(f"the chat template could not render these messages: {exc}", param=param,
+                              code="chat_template_error") from exc
 
     def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True,
                         param: str = "messages") -> tuple[str, list[int]]:
@@ -103,13 +125,16 @@ class Frontend:
                            param=param, code="context_length_exceeded")
         return requested
 
-    def sampling_params(self, build, **kwargs) -> SamplingParams:
-        """Call a protocol model's ``sampling_params``; a bad field becomes a 400 naming it."""
+    def sampling_params(self, build, rename: dict[str, str] | None = None, **kwargs) -> SamplingParams:
+        """Call a protocol model's ``sampling_params`` and check it against the engine's limits; a
+        bad field becomes a 400 naming it (``rename``: SamplingParams names -> request field names)."""
         try:
             params = build(**kwargs)
-            params.validate(self.async_engine.engine.config.max_logprobs)
+            self.async_engine.engine.validate_params(params)
         except RequestError as exc:
-            raise bad_request(str(exc), param=exc.field) from exc
+            field = (rename or {}).get(exc.field, exc.field)
+            message = str(exc).replace(f"parameter {exc.field}=", f"parameter {field}=") if field else str(exc)
+            raise bad_request(message, param=field, code=exc.code) from exc
         return params
 
     # ------------------------------------------------------------------ running requests

@@ -21,7 +21,9 @@ from pagoda.outputs import RequestOutput
 from pagoda.server.errors import APIError, to_api_error
 from pagoda.server.formatting import DeltaTracker
 from pagoda.server.frontend import ClientDisconnected, Frontend, RequestStreamingResponse
-from pagoda.server.protocol import OllamaBase, OllamaChatRequest, OllamaGenerateRequest
+from pagoda.server.ollama_protocol import OllamaBase, OllamaChatRequest, OllamaGenerateRequest
+from pagoda.server.openapi import GENERATION_ERRORS, READ_ERRORS, error_responses, json_or_stream
+from pagoda.server.responses import OllamaChatResponse, OllamaGenerateResponse, OllamaTags, OllamaVersion
 
 router = APIRouter()
 
@@ -34,12 +36,16 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-@router.get("/api/version")
+NDJSON = "newline-delimited JSON when `stream` is true (the default): one object per piece, the last with " \
+         "`done: true` and the statistics"
+
+
+@router.get("/api/version", response_model=OllamaVersion, responses=error_responses(*READ_ERRORS, ollama=True))
 async def version() -> dict:
     return {"version": pagoda.__version__}
 
 
-@router.get("/api/tags")
+@router.get("/api/tags", response_model=OllamaTags, responses=error_responses(*READ_ERRORS, ollama=True))
 async def tags(request: Request) -> dict:
     fe = frontend(request)
     info = request.app.state.model_info
@@ -49,43 +55,52 @@ async def tags(request: Request) -> dict:
                                   "parameter_size": info["parameter_size"], "quantization_level": ""}}]}
 
 
+# SamplingParams names -> Ollama's, for errors
+OPTION_NAMES = {name: f"options.{name}" for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                                                     "presence_penalty", "frequency_penalty")}
+OPTION_NAMES.update(repetition_penalty="options.repeat_penalty", max_tokens="options.num_predict")
+
+
 def max_tokens(fe: Frontend, body: OllamaBase, prompt_len: int, prompt_param: str) -> int:
     """``num_predict``: unset or negative (-1 infinite, -2 fill the context) means up to the context."""
     n = body.options.num_predict
     return fe.max_tokens(prompt_len, None if n is None or n < 0 else n, "options.num_predict", prompt_param)
 
 
-@router.post("/api/generate")
+@router.post("/api/generate", response_model=None, responses={
+    200: json_or_stream(OllamaGenerateResponse, "application/x-ndjson", NDJSON),
+    **error_responses(*GENERATION_ERRORS, ollama=True)})
 async def generate(body: OllamaGenerateRequest, request: Request) -> Response:
     fe = frontend(request)
-    fe.check_model(body.model)
-    body.check_unsupported()
+    fe.check_request(body)
     if not body.prompt and not body.context:  # Ollama's "load the model" call
         return JSONResponse({"model": body.model, "created_at": now_iso(), "response": "", "done": True,
                              "done_reason": "load"})
     has_template = fe.tokenizer is not None and getattr(fe.tokenizer, "chat_template", None)
     if body.raw or not has_template:
         text = (body.system + "\n" if body.system and not body.raw else "") + body.prompt
-        ids = fe.encode(text, add_special_tokens=not body.context, param="prompt")
+        ids = fe.encode(text, add_special_tokens=not body.context, param="prompt", allow_empty=bool(body.context))
     else:
         messages = ([{"role": "system", "content": body.system}] if body.system else [])
         messages.append({"role": "user", "content": body.prompt})
         text, ids = fe.chat_prompt_ids(messages, param="prompt")
     ids = list(body.context or []) + ids
-    params = fe.sampling_params(body.options.sampling_params, max_tokens=max_tokens(fe, body, len(ids), "prompt"))
+    params = fe.sampling_params(body.options.sampling_params, max_tokens=max_tokens(fe, body, len(ids), "prompt"),
+                                rename=OPTION_NAMES)
     stream = await fe.submit(ids, params, text, prefix="ollama")
     return await respond(fe, request, body, stream, chat=False)
 
 
-@router.post("/api/chat")
+@router.post("/api/chat", response_model=None, responses={
+    200: json_or_stream(OllamaChatResponse, "application/x-ndjson", NDJSON),
+    **error_responses(*GENERATION_ERRORS, ollama=True)})
 async def chat(body: OllamaChatRequest, request: Request) -> Response:
     fe = frontend(request)
-    fe.check_model(body.model)
-    body.check_unsupported()
+    fe.check_request(body)
     messages = [{"role": m.role, "content": m.content} for m in body.messages]
     text, ids = fe.chat_prompt_ids(messages)
     params = fe.sampling_params(body.options.sampling_params,
-                                max_tokens=max_tokens(fe, body, len(ids), "messages"))
+                                max_tokens=max_tokens(fe, body, len(ids), "messages"), rename=OPTION_NAMES)
     stream = await fe.submit(ids, params, text, prefix="ollama")
     return await respond(fe, request, body, stream, chat=True)
 

@@ -16,7 +16,16 @@ from pagoda.outputs import RequestOutput
 from pagoda.server.errors import APIError, to_api_error
 from pagoda.server.formatting import DeltaTracker, chat_logprobs, completion_logprobs, usage_sum
 from pagoda.server.frontend import ClientDisconnected, Frontend, RequestStreamingResponse, merge
+from pagoda.server.openapi import GENERATION_ERRORS, READ_ERRORS, error_responses, json_or_stream
 from pagoda.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagoda.server.responses import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+)
 
 router = APIRouter()
 
@@ -29,12 +38,12 @@ def sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", response_model=ModelList, responses=error_responses(*READ_ERRORS))
 async def list_models(request: Request) -> dict:
     return {"object": "list", "data": [model_card(frontend(request))]}
 
 
-@router.get("/v1/models/{model:path}")
+@router.get("/v1/models/{model:path}", response_model=ModelCard, responses=error_responses(*READ_ERRORS, 404))
 async def get_model(model: str, request: Request) -> dict:
     fe = frontend(request)
     fe.check_model(model)
@@ -60,12 +69,16 @@ async def submit_all(fe: Frontend, items: list[tuple], prefix: str) -> list[Requ
 
 
 # ---------------------------------------------------------------------------- completions
-@router.post("/v1/completions")
+SSE = "Server-Sent Events when `stream` is true: `data: {chunk}` lines, then `data: [DONE]`"
+
+
+@router.post("/v1/completions", response_model=None, responses={
+    200: json_or_stream(CompletionResponse, "text/event-stream", SSE, CompletionChunk),
+    **error_responses(*GENERATION_ERRORS)})
 async def completions(body: CompletionRequest, request: Request) -> Response:
     fe = frontend(request)
-    fe.check_model(body.model)
-    body.check_unsupported()
-    prompts = body.prompts()
+    fe.check_request(body)
+    prompts = body.prompts(fe.limits.max_n)
     items = []
     for i, prompt in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
@@ -170,15 +183,17 @@ def event_stream(events: AsyncIterator[str], streams: list[RequestStream]) -> St
 
 
 # ---------------------------------------------------------------------------- chat
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", response_model=None, responses={
+    200: json_or_stream(ChatCompletionResponse, "text/event-stream", SSE, ChatCompletionChunk),
+    **error_responses(*GENERATION_ERRORS)})
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     fe = frontend(request)
-    fe.check_model(body.model)
-    body.check_unsupported()
+    fe.check_request(body)
     text, ids = fe.chat_prompt_ids(body.conversation(), body.add_generation_prompt)
     requested, param = body.requested_max_tokens()
     max_tokens = fe.max_tokens(len(ids), requested, param, "messages")
-    params = fe.sampling_params(body.sampling_params, max_tokens=max_tokens, logprobs=body.num_logprobs())
+    params = fe.sampling_params(body.sampling_params, max_tokens=max_tokens, logprobs=body.num_logprobs(),
+                                rename={"logprobs": "top_logprobs"})
     stream = await fe.submit(ids, params, text, prefix="chatcmpl")
     rid = stream.request_id
     if body.stream:

@@ -1,50 +1,84 @@
-"""Request bodies of the OpenAI and Ollama APIs (pydantic), and their SamplingParams.
+"""Request bodies of the OpenAI API (pydantic), and their SamplingParams.
 
-Unknown fields are ignored (clients send many optional ones); known fields that pagoda
-cannot honour (``logit_bias``, ``tools``, ``suffix`` ...) are refused with a 400 naming them.
+Every field is typed strictly (``true`` is not a number, ``"5"`` is not an integer) and bounded
+where it enters: numbers by range, strings and lists by length, and the limits that depend on the
+served model (token ids, ``top_k``, ``n``, ``logprobs``, output lengths) through ``limit(...)``,
+which the OpenAPI document and the request checks both read (see ``pagoda.server.openapi``).
+Unknown fields are ignored (clients send many optional ones); known fields that pagoda cannot
+honour are refused with a 400 naming them and are left out of the document.
 pagoda extensions, as in vLLM: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema
 
-from pagoda.sampling_params import SamplingParams
+from pagoda.sampling_params import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 from pagoda.server.errors import bad_request
+from pagoda.server.openapi import limit
+
+MAX_NAME_CHARS = 1024  # model names, user ids
+MAX_MESSAGES = 4096
+
+STRICT = ConfigDict(extra="ignore", strict=True, protected_namespaces=(), allow_inf_nan=False)
+
+
+
+def integral(value: object) -> object:
+    """JSON Schema counts 2.0 as an integer: take it as 2. Everything else stays for the strict
+    check (``true`` and ``"2"`` are not integers)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(integral)]
+TokenId = Annotated[Int, Field(ge=0, json_schema_extra=limit("token_id"))]
+TokenIds = Annotated[list[TokenId], Field(min_length=1, json_schema_extra=limit("prompt_tokens"))]
+OutputTokens = Annotated[Int, Field(ge=1, json_schema_extra=limit("output_tokens"))]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Seed = Annotated[Int, Field(ge=INT64_MIN, le=INT64_MAX, json_schema_extra=limit("seed"))]
+ModelName = Annotated[str, Field(max_length=MAX_NAME_CHARS, json_schema_extra=limit("model"))]
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    model_config = STRICT
 
-    model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    model: ModelName | None = Field(None, description="the served model (optional)")
+    n: Int = Field(1, ge=1, json_schema_extra=limit("n"), description="completions to generate")
+    temperature: float | None = Field(None, ge=0, description="0: greedy; default 1")
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: Seed | None = Field(None, description="completion i of n uses seed + i")
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
-    stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    stream_options: StreamOptions | None = Field(None, description="only with stream=true")
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: SkipJsonSchema[dict[str, float] | None] = None
+    user: str | None = Field(None, max_length=MAX_NAME_CHARS)
     # pagoda / vLLM extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: Int | None = Field(None, ge=-1, json_schema_extra=limit("top_k"), description="-1 or 0: off")
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_tokens: Int = Field(0, ge=0, json_schema_extra=limit("output_tokens"))
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
@@ -52,7 +86,8 @@ class SamplingFields(BaseModel):
         if self.logit_bias:
             raise bad_request("logit_bias is not supported by pagoda", param="logit_bias")
         if self.stream_options is not None and not self.stream:
-            raise bad_request("stream_options is only allowed with stream=true", param="stream_options")
+            raise bad_request("stream_options is only allowed with stream=true", param="stream_options",
+                              code="invalid_combination")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """SamplingParams; a bad value raises RequestError naming the field."""
@@ -72,13 +107,21 @@ class SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+# several prompts: one request each, n completions each; max_n bounds their product
+Prompts = Field(min_length=1, json_schema_extra=limit("prompts"))
+Prompt = (Annotated[str, Field(min_length=1)]
+          | Annotated[list[Annotated[str, Field(min_length=1)]], Prompts]
+          | TokenIds
+          | Annotated[list[TokenIds], Prompts])
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = None  # OpenAI default: 16 (capped by the context)
-    logprobs: int | None = None
+    prompt: Prompt = Field(description="text, a list of texts, token ids, or a list of token-id lists")
+    max_tokens: OutputTokens | None = Field(None, description="default 16 (capped by the context)")
+    logprobs: Int | None = Field(None, ge=0, json_schema_extra=limit("logprobs"))
     echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: SkipJsonSchema[int | None] = None
+    suffix: SkipJsonSchema[str | None] = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -89,36 +132,78 @@ class CompletionRequest(SamplingFields):
                               f"completions; leave best_of unset or equal to n)", param="best_of")
         if self.echo and self.logprobs is not None:
             raise bad_request("echo with logprobs needs prompt logprobs, which pagoda does not compute",
-                              param="echo")
+                              param="echo", code="invalid_combination")
 
-    def prompts(self) -> list[str | list[int]]:
-        """The prompt as a list of text or token-id prompts."""
+    def prompts(self, max_n: int) -> list[str | list[int]]:
+        """The prompt as a list of text or token-id prompts; their completions (n each) at most max_n."""
         p = self.prompt
         if isinstance(p, str):
-            return [p]
-        if not p:
-            raise bad_request("prompt must not be empty", param="prompt")
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+            prompts = [p]
+        elif all(isinstance(x, int) for x in p):
+            prompts = [list(p)]  # type: ignore[arg-type]
+        else:
+            prompts = list(p)  # type: ignore[arg-type]
+        if len(prompts) * self.n > max_n:
+            raise bad_request(f"{len(prompts)} prompts x n={self.n} completions is more than this server's max_n="
+                              f"{max_n} completions per request", param="prompt", code="invalid_combination")
+        return prompts
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+# ---------------------------------------------------------------------------- chat messages
+class TextPart(BaseModel):
+    model_config = STRICT
+    type: Literal["text"]
+    text: str
+
+
+Content = str | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)]
+
+
+class _Message(BaseModel):
+    model_config = STRICT
+    name: str | None = Field(None, max_length=MAX_NAME_CHARS)
+
+
+class SystemMessage(_Message):
+    role: Literal["system", "developer"]
+    content: Content
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+    content: Content
+
+
+class AssistantMessage(_Message):
+    role: Literal["assistant"]
+    content: Content
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str | None = Field(None, max_length=MAX_NAME_CHARS)
+
+
+ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
+
+
+class ResponseFormatText(BaseModel):
+    model_config = STRICT
+    type: Literal["text"]
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: OutputTokens | None = Field(None, description="default: the rest of the context")
+    max_completion_tokens: OutputTokens | None = Field(None, description="OpenAI's newer name of max_tokens")
     logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    functions: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    top_logprobs: Int | None = Field(None, ge=0, json_schema_extra=limit("logprobs"),
+                                     description="only with logprobs=true")
+    tools: SkipJsonSchema[list[dict[str, Any]] | None] = None
+    tool_choice: SkipJsonSchema[Any] = None
+    functions: SkipJsonSchema[list[dict[str, Any]] | None] = None
+    response_format: ResponseFormatText | SkipJsonSchema[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
 
     def check_unsupported(self) -> None:
@@ -126,13 +211,11 @@ class ChatCompletionRequest(SamplingFields):
         for name in ("tools", "functions"):
             if getattr(self, name):
                 raise bad_request(f"{name} (function calling) is not supported by pagoda", param=name)
-        if self.response_format and self.response_format.get("type", "text") != "text":
+        if isinstance(self.response_format, dict):
             raise bad_request(f"response_format {self.response_format.get('type')!r} is not supported "
                               f"(only 'text')", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
-            raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
-        if not self.messages:
-            raise bad_request("messages must hold at least one message", param="messages")
+            raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_combination")
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:
@@ -143,96 +226,10 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": message_text(m.content, f"messages[{i}].content")}
-                for i, m in enumerate(self.messages)]
+        return [{"role": "system" if m.role == "developer" else m.role, "content": message_text(m.content)}
+                for m in self.messages]
 
 
-def message_text(content: str | list[dict[str, Any]] | None, param: str) -> str:
-    """A message's text: a string, or the text parts of a content list."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    texts = []
-    for j, part in enumerate(content):
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise bad_request(f"content part of type {part.get('type')!r} is not supported (text only)",
-                              param=f"{param}[{j}]")
-        texts.append(part["text"])
-    return "".join(texts)
-
-
-# ---------------------------------------------------------------------------- Ollama
-class OllamaOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    num_predict: int | None = None
-    stop: list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repeat_penalty: float | None = None
-
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        return SamplingParams(
-            temperature=0.8 if self.temperature is None else self.temperature,
-            top_p=0.9 if self.top_p is None else self.top_p, top_k=40 if self.top_k is None else self.top_k,
-            min_p=self.min_p or 0.0, seed=self.seed, presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repeat_penalty is None else self.repeat_penalty,
-            max_tokens=max_tokens, stop=self.stop)
-
-
-class OllamaBase(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
-    model: str
-    stream: bool = True
-    options: OllamaOptions = Field(default_factory=OllamaOptions)
-    format: Any = None
-    keep_alive: Any = None
-
-    def check_unsupported(self) -> None:
-        if self.format:
-            raise bad_request("format (structured output) is not supported by pagoda", param="format")
-
-
-class OllamaGenerateRequest(OllamaBase):
-    prompt: str = ""
-    system: str | None = None
-    raw: bool = False
-    template: str | None = None
-    context: list[int] | None = None
-    images: list[str] | None = None
-
-    def check_unsupported(self) -> None:
-        super().check_unsupported()
-        if self.template:
-            raise bad_request("a custom template is not supported (pagoda uses the model's chat template)",
-                              param="template")
-        if self.images:
-            raise bad_request("images are not supported by pagoda", param="images")
-
-
-class OllamaMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str = ""
-    images: list[str] | None = None
-
-
-class OllamaChatRequest(OllamaBase):
-    messages: list[OllamaMessage]
-    tools: list[dict[str, Any]] | None = None
-
-    def check_unsupported(self) -> None:
-        super().check_unsupported()
-        if self.tools:
-            raise bad_request("tools are not supported by pagoda", param="tools")
-        for i, m in enumerate(self.messages):
-            if m.images:
-                raise bad_request("images are not supported by pagoda", param=f"messages[{i}].images")
-        if not self.messages:
-            raise bad_request("messages must hold at least one message", param="messages")
+def message_text(content: str | list[TextPart]) -> str:
+    """A message's text: a string, or its text parts joined."""
+    return content if isinstance(content, str) else "".join(part.text for part in content)

@@ -27,17 +27,36 @@ logger = logging.getLogger("pagoda.server")
 
 # seconds uvicorn waits, after the engine aborted what was left, for those responses to end
 ABORT_GRACE = 2.0
+# seconds the server keeps answering (503, /health naming the failure) after the engine loop died,
+# before it shuts down and exits non-zero so that a supervisor restarts it
+ENGINE_FAILURE_GRACE = 1.0
 
 
 class _Server(uvicorn.Server):
     """uvicorn's server; from the moment shutdown begins new requests are refused (503), and
     requests still running after ``shutdown_timeout`` are aborted so that their responses
-    end properly (an error event, or a 503) before uvicorn closes the connections."""
+    end properly (an error event, or a 503) before uvicorn closes the connections.
+
+    If the engine loop dies, the server shuts down by itself ``ENGINE_FAILURE_GRACE`` seconds
+    later and ``run_server`` returns 1."""
 
     def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine, shutdown_timeout: float):
         super().__init__(config)
         self.async_engine = async_engine
         self.shutdown_timeout = shutdown_timeout
+        self.engine_failed = False
+        async_engine.on_failure = self._on_engine_failure
+
+    def _on_engine_failure(self, exc: BaseException) -> None:  # on the engine thread
+        self.engine_failed = True
+        logger.critical("the engine failed (%s: %s); the server exits with status 1 in %.0f s", type(exc).__name__,
+                        exc, ENGINE_FAILURE_GRACE)
+        timer = threading.Timer(ENGINE_FAILURE_GRACE, self._request_exit)
+        timer.daemon = True
+        timer.start()
+
+    def _request_exit(self) -> None:
+        self.should_exit = True  # uvicorn's main loop polls it
 
     async def shutdown(self, sockets=None) -> None:
         self.async_engine.stop_accepting()
@@ -78,7 +97,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def run_server(app, config: ServerConfig, announce=None, sock: socket.socket | None = None) -> int:
-    """Serve in the foreground until SIGTERM/SIGINT; return 0 after a graceful shutdown.
+    """Serve in the foreground until SIGTERM/SIGINT; return 0 after a graceful shutdown, 1 if
+    the engine loop died (or the server never started).
     ``sock``: a socket from ``bind`` (else config.host:config.port is bound here).
     ``announce(url)`` is called once the port is bound (with the real port when port is 0)."""
     sock = sock or bind(config.host, config.port)
@@ -94,7 +114,7 @@ def run_server(app, config: ServerConfig, announce=None, sock: socket.socket | N
     finally:
         signal.signal(signal.SIGTERM, previous)
         sock.close()
-    return 0 if server.started else 1
+    return 0 if server.started and not server.engine_failed else 1
 
 
 class ServerThread:

@@ -1,0 +1,190 @@
+"""What the routes answer with 200, as pydantic models: they only document the JSON the routes
+build (``/openapi.json``), so that a client generated from the document reads real responses.
+The schemathesis test checks every response against them."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens served from the prefix cache")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+# ---------------------------------------------------------------------------- completions
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+# ---------------------------------------------------------------------------- chat
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+
+
+class AssistantReply(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantReply
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+# ---------------------------------------------------------------------------- Ollama
+class OllamaReplyMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class OllamaStats(BaseModel):
+    """The last object of a reply (or the only one, unstreamed). Durations in nanoseconds."""
+
+    model: str
+    created_at: str
+    done: bool
+    done_reason: str | None = Field(None, description="stop, length, or load (an empty prompt)")
+    total_duration: int | None = None
+    load_duration: int | None = None
+    prompt_eval_count: int | None = None
+    prompt_eval_duration: int | None = None
+    eval_count: int | None = None
+    eval_duration: int | None = None
+
+
+class OllamaGenerateResponse(OllamaStats):
+    response: str
+    context: list[int] | None = Field(None, description="prompt and output token ids, to continue from")
+
+
+class OllamaChatResponse(OllamaStats):
+    message: OllamaReplyMessage
+
+
+class OllamaModelDetails(BaseModel):
+    format: str
+    family: str
+    families: list[str]
+    parameter_size: str
+    quantization_level: str
+
+
+class OllamaModel(BaseModel):
+    name: str
+    model: str
+    modified_at: str
+    size: int
+    digest: str
+    details: OllamaModelDetails
+
+
+class OllamaTags(BaseModel):
+    models: list[OllamaModel]
+
+
+class OllamaVersion(BaseModel):
+    version: str
+
+
+class Health(BaseModel):
+    status: Literal["ok", "stopping", "error"]
+    model: str | None = None
+    error: str | None = Field(None, description="why the engine failed (the server exits moments later)")
+
+
+# ---------------------------------------------------------------------------- streamed chunks
+class CompletionChunk(BaseModel):
+    """One Server-Sent Event of a streamed completion (``data: {...}``)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice] = Field(description="empty in the last chunk when usage is included")
+    usage: Usage | None = Field(None, description="with stream_options.include_usage: null, then in the last chunk")
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One Server-Sent Event of a streamed chat completion (``data: {...}``)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice] = Field(description="empty in the last chunk when usage is included")
+    usage: Usage | None = Field(None, description="with stream_options.include_usage: null, then in the last chunk")
