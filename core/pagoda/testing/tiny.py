@@ -183,7 +183,12 @@ def variants_for_architecture(architecture: str, model_class: Any = None) -> lis
     model_type = reference_model_type(architecture, model_class)
     defaults = default_config_dict(model_type)
     saved = plugin_model_type(model_class)
-    if "sliding_window" in defaults:  # the first variants run without a window, "window" with one
+    # models whose layer_types mix sliding-window and global layers (Gemma, GPT-OSS) need a window
+    # in their config: the first variants make every layer global, "window" alternates the two
+    layered = isinstance(defaults.get("layer_types"), list) and "sliding_attention" in defaults["layer_types"]
+    if layered:
+        defaults = dict(defaults, sliding_window=WINDOW)
+    elif "sliding_window" in defaults:  # the first variants run without a window, "window" with one
         defaults = dict(defaults, sliding_window=None)
     explicit_head_dim = "head_dim" in defaults and defaults.get("kv_lora_rank") is None
     variants = []
@@ -198,8 +203,13 @@ def variants_for_architecture(architecture: str, model_class: Any = None) -> lis
         variants.append(TinyVariant("gqa", model_type, architecture, gqa, saved))
         variants.append(TinyVariant("mha-tied", model_type, architecture,
                                     dict(shrink_config(defaults, mha=True), tie_word_embeddings=True), saved))
+    if layered:  # shrink_config keeps only a real mix of layer types
+        for variant in variants:
+            variant.fields["layer_types"] = ["full_attention"] * LAYERS
     if "sliding_window" in defaults:
         window = dict(shrink_config(defaults, mha=False), sliding_window=WINDOW)
+        if layered:
+            window["layer_types"] = ["sliding_attention", "full_attention"]
         if "use_sliding_window" in defaults:
             window.update(use_sliding_window=True, max_window_layers=1)
         variants.append(TinyVariant("window", model_type, architecture, window, saved))

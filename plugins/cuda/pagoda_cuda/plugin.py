@@ -13,6 +13,8 @@ from pagoda import hookimpl
 KERNELS = {
     "rms_norm": "pagoda_cuda.ops.norm:rms_norm",
     "fused_add_rms_norm": "pagoda_cuda.ops.norm:fused_add_rms_norm",
+    "rms_norm_offset": "pagoda_cuda.ops.norm:rms_norm_offset",
+    "fused_add_rms_norm_offset": "pagoda_cuda.ops.norm:fused_add_rms_norm_offset",
     "rotary_embedding": "pagoda_cuda.ops.rotary:rotary_embedding",
     "qk_norm_rotary": "pagoda_cuda.ops.rotary:qk_norm_rotary",
     "silu_and_mul": "pagoda_cuda.ops.activation:silu_and_mul",
