@@ -65,6 +65,7 @@ class Attention(nn.Module):
         self._sinks = (sinks,)  # a tuple: the model owns (and loads) the parameter
         self.kv_cache: torch.Tensor | None = None
         self.layer_index = -1  # position among the model's attention layers, set by the runner
+        self.kv_group = 0  # its KV cache group (block tables it reads), set by the runner
         # Per-layer scales of a quantized (fp8) KV cache: {"k_scale": t, "v_scale": t}, float32
         # 0-dim tensors on the cache's device; cache = k / k_scale, read back as cache * k_scale.
         # From the checkpoint when it has them (load_kv_cache_scale), else 1.0.
@@ -84,4 +85,4 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         backend = ctx.backends[self.kind]
-        return backend.forward(self, q, k, v, self.kv_cache, ctx.metadata_for(self.kind))
+        return backend.forward(self, q, k, v, self.kv_cache, ctx.metadata_for(self.kind, self.kv_group))
