@@ -138,6 +138,11 @@ class ModelRunner:
         """Bytes one block id takes: a page in every cache tensor."""
         return sum(self._page_bytes(layer) for layer in self._slot_layers())
 
+    def kv_layer_bytes(self) -> list[tuple[float, int | None]]:
+        """(cache bytes per token, window or None) of each attention layer (roofline)."""
+        return [(self._page_bytes(layer) / self.config.block_size, layer.spec.sliding_window or None)
+                for layer in self.attn_layers]
+
     def kv_bytes_per_token(self) -> float:
         """Bytes one token takes in every layer's cache (the cost at full context; window layers
         stop paying it past their window)."""

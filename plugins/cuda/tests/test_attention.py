@@ -230,6 +230,21 @@ def test_real_shapes_mixed(device, shape):
 
 
 @GPU
+@pytest.mark.parametrize("window", [None, 128])
+def test_real_shapes_gpt_oss_sinks(device, window):
+    """gpt-oss-20b's attention: 64 query heads over 8 KV heads of 64, sinks, window 128 or global."""
+    seqs = [(600 + 13 * i, 1) for i in range(64)] + [(0, 512), (700, 300)]
+    check(device, torch.bfloat16, seqs, 64, 8, 64, 16, window=window, sinks=True)
+
+
+@GPU
+def test_real_shapes_gemma3_window(device):
+    """Gemma 3 1B's window layers: 4 query heads over one KV head of 256, window 512."""
+    seqs = [(900 + 7 * i, 1) for i in range(64)] + [(0, 700), (1200, 300)]
+    check(device, torch.bfloat16, seqs, 4, 1, 256, 16, window=512)
+
+
+@GPU
 def test_real_shapes_long_context_splits(device):
     check(device, torch.bfloat16, [(9000, 1), (4100, 1), (17, 1)], 16, 8, 128, 16)
 

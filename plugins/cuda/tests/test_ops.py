@@ -257,6 +257,14 @@ def test_norm_real_shapes(device, hidden):
 
 
 @GPU
+def test_norm_offset_real_shapes(device):
+    for residual in (False, True):
+        _norm_case(device, torch.bfloat16, 256, 1152, residual, offset=1.0)  # Gemma 3 1B
+        _norm_case(device, torch.bfloat16, 256, 2880, residual, offset=0.0)  # GPT-OSS-20B
+    _norm_case(device, torch.bfloat16, 256 * 4, 256, False, offset=1.0)  # Gemma 3's q/k norms
+
+
+@GPU
 def test_rotary_real_shapes(device):
     _rotary_case(device, torch.bfloat16, 300, 16, 8, 128, 128, True, None)
     _rotary_case(device, torch.bfloat16, 300, 32, 32, 96, 96, True, None)
@@ -289,6 +297,13 @@ def test_fused_moe_real_shapes(device, tokens):
     for weight_tma in (False, True):
         _moe_case(device, torch.bfloat16, tokens, 2048, 768, 128, 8, with_invalid=tokens == 256,
                   weight_tma=weight_tma)
+
+
+@GPU
+@pytest.mark.parametrize("tokens", [256, 2048])
+def test_fused_moe_gpt_oss_real_shape(device, tokens):
+    """gpt-oss-20b's experts: 32 of 2880 x 2880, top-4, biases, the clamped SwiGLU."""
+    _moe_case(device, torch.bfloat16, tokens, 2880, 2880, 32, 4, activation="swigluoai", bias=True)
 
 
 @pytest.mark.parametrize("tokens,experts,top_k,renormalize,scaling", [
