@@ -95,7 +95,8 @@ class AttentionSpec:
     ``num_kv_heads`` heads of ``head_size``. ``sinks``: each query head has a learned sink
     logit (``layer.sinks`` [num_heads] float32, GPT-OSS) that joins the softmax's denominator.
     kind "mla": the cache holds one latent vector of ``kv_lora_rank + qk_rope_head_dim`` per
-    token; ``extra`` carries the MLA dims.
+    token; ``extra`` carries the MLA dims. kind "mla_sparse" (DeepSeek-V3.2): the latent followed
+    by the indexer's key, ``head_size`` values per token (``pagoda.layers.sparse_mla``).
     """
 
     kind: str
@@ -168,6 +169,8 @@ class AttentionBackend:
         """Shape of one layer's cache tensor."""
         if spec.kind == "mla":
             return (num_blocks, block_size, spec.latent_dim)
+        if spec.kind == "mla_sparse":  # [latent | k_pe | index_k] per token (pagoda.layers.sparse_mla)
+            return (num_blocks, block_size, spec.head_size)
         return (2, num_blocks, block_size, spec.num_kv_heads, spec.head_size)
 
     def prepare(self, meta: Any) -> Any:

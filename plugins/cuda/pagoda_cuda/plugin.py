@@ -38,9 +38,11 @@ def register_platforms(register):
 def register_attention_backends(register):
     from pagoda_cuda.attention.backend import TritonPagedAttention
     from pagoda_cuda.attention.mla_backend import TritonMLAAttention
+    from pagoda_cuda.attention.sparse_mla_backend import TritonSparseMLAAttention
 
     register(TritonPagedAttention())
     register(TritonMLAAttention())
+    register(TritonSparseMLAAttention())
 
 
 @hookimpl
