@@ -108,12 +108,14 @@ class _Weights:
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
-    FEATURES = ("attention sinks, alternating sliding-window and global layers, YaRN, q/k/v/o biases; MoE with a "
+    FEATURES = ("attention sinks, alternating sliding-window and global layers (window layers keep only their "
+                "window's KV blocks), YaRN, q/k/v/o biases; MoE with a "
                 "biased router, expert biases and the clamped SwiGLU (swigluoai) via fused_moe; MXFP4 experts of "
                 "the published checkpoints dequantized to the model dtype at load (no MXFP4 kernel yet)")
     TESTED = ("prompt logits (fp32) and 32+ greedy tokens with chunked prefill, preemption and prefix caching; an "
               "MXFP4 checkpoint against transformers on the same dequantized weights; Triton path under the "
-              "interpreter; expert counts vs the HF router (tests/test_models_mixtral_gpt_oss.py)")
+              "interpreter; expert counts vs the HF router (tests/test_models_mixtral_gpt_oss.py); 2 tensor-parallel "
+              "ranks (tests/test_distributed.py)")
     decoder_layer = GptOssDecoderLayer
 
     def __init__(self, config, quant_config=None, prefix: str = ""):

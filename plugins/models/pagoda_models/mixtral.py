@@ -61,7 +61,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
     FEATURES = ("softmax top-k routing renormalised over the chosen experts, SiLU experts (w1/w3/w2) via "
                 "fused_moe with per-expert load counts, sliding window when the config sets one")
     TESTED = ("prompt logits (fp32) and 32+ greedy tokens with chunked prefill, preemption and prefix caching; "
-              "sliding window on/off, top-2 of 8 experts; expert counts vs the HF router's choices "
+              "sliding window on/off, top-2 and top-3 of 8 experts; expert counts vs the HF router's choices "
               "(tests/test_models_mixtral_gpt_oss.py)")
     decoder_layer = MixtralDecoderLayer
 
