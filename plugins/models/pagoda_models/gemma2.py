@@ -141,7 +141,8 @@ def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 class Gemma2ForCausalLM(nn.Module):
     FEATURES = ("sliding-window and global layers alternating (layer_types; window layers keep only their window's "
-                "KV blocks), attention and final logit soft-capping, query_pre_attn_scalar, pre/post attention and feed-forward (1 + w) RMSNorms, "
+                "KV blocks), attention and final logit soft-capping, query_pre_attn_scalar, pre/post attention and "
+                "feed-forward (1 + w) RMSNorms, "
                 "sqrt(hidden)-scaled embeddings, gated GELU-tanh MLP, tied embeddings")
     TESTED = ("prompt logits (fp32) and 32+ greedy tokens with chunked prefill, preemption and prefix caching; "
               "prompts longer than the window; soft-caps on/off (tests/test_models_gemma.py); Triton path under "
