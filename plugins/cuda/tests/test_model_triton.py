@@ -22,9 +22,9 @@ MODELS = {
                          qk_nope_head_dim=16, v_head_dim=12, first_k_dense_replace=1, q_lora_rank=32,
                          n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
                          index_topk=8, index_head_dim=16, index_n_heads=8),
-    # a global layer between two sliding ones, a window shorter than the prompts, q/k (1 + w) norms
-    "gemma3_text": dict(BASE, num_hidden_layers=3, head_dim=32, sliding_window=12, query_pre_attn_scalar=24,
-                        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    # a sliding and a global layer (two KV cache groups), a window shorter than the prompts, q/k (1 + w) norms
+    "gemma3_text": dict(BASE, head_dim=32, sliding_window=12, query_pre_attn_scalar=24,
+                        layer_types=["sliding_attention", "full_attention"]),
     # sinks, alternating windows, YaRN, biased experts with the clamped SwiGLU
     "gpt_oss": dict(BASE, head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
                     sliding_window=12, rope_parameters=dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0,
