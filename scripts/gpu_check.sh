@@ -10,7 +10,7 @@
 # Before a lent-GPU call, on the development machine (once):
 #   mkdir -p .whl && cp /work/shared/gpu-wheels/*.whl .whl/     # .whl/ is git-ignored; carry it
 # Settings (environment variables):
-#   SHAPES="qwen3-0.6b phi3-mini qwen3-30b-a3b deepseek-v3-4l"   shapes to benchmark (missing models are skipped)
+#   SHAPES="qwen3-0.6b phi3-mini qwen3-30b-a3b deepseek-v3-4l gemma3-1b gpt-oss-20b"   shapes to benchmark
 #   NUM_PROMPTS=256 INPUT_LEN=512 OUTPUT_LEN=256                  the workload
 #   BASELINE_SHAPES="qwen3-0.6b"  BASELINE_MAX_SECONDS=60          HF transformers baseline, capped
 #   TESTS=1 TEST_PATHS="tests plugins"  KERNELS=1  PROFILE=1       sections to run
@@ -22,7 +22,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/gpu}
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
-SHAPES=${SHAPES:-"qwen3-0.6b phi3-mini qwen3-30b-a3b deepseek-v3-4l"}
+SHAPES=${SHAPES:-"qwen3-0.6b phi3-mini qwen3-30b-a3b deepseek-v3-4l gemma3-1b gpt-oss-20b"}
 NUM_PROMPTS=${NUM_PROMPTS:-256}
 INPUT_LEN=${INPUT_LEN:-512}
 OUTPUT_LEN=${OUTPUT_LEN:-256}

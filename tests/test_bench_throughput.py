@@ -36,7 +36,42 @@ def test_shapes_are_the_anchor_configs():
                                                                                                         True)
     ds = shape_config("deepseek-v3-4l")
     assert (ds.num_hidden_layers, ds.first_k_dense_replace, ds.n_routed_experts, ds.kv_lora_rank) == (4, 3, 256, 512)
-    assert set(SHAPES) == {"qwen3-0.6b", "phi3-mini", "qwen3-30b-a3b", "deepseek-v3-4l"}
+    gemma = shape_config("gemma3-1b")  # google/gemma-3-1b-it
+    assert (gemma.hidden_size, gemma.num_hidden_layers, gemma.head_dim, gemma.sliding_window) == (1152, 26, 256, 512)
+    assert gemma.layer_types.count("full_attention") == 4 and gemma.layer_types[5] == "full_attention"
+    oss = shape_config("gpt-oss-20b")  # openai/gpt-oss-20b
+    assert (oss.num_local_experts, oss.num_experts_per_tok, oss.sliding_window, oss.head_dim) == (32, 4, 128, 64)
+    assert oss.rope_parameters["rope_type"] == "yarn" and oss.layer_types[:2] == ["sliding_attention", "full_attention"]
+    assert set(SHAPES) == {"qwen3-0.6b", "phi3-mini", "qwen3-30b-a3b", "deepseek-v3-4l", "gemma3-1b", "gpt-oss-20b"}
+
+
+def test_roofline_counts_window_layers_up_to_their_window():
+    """Per-layer KV reads and attention FLOPs stop growing at a layer's window."""
+    config = shape_config("gpt-oss-20b")
+    counts = {"weight_bytes": 0, "matmul_params_per_token": 0, "lm_head_params": 0}
+    per_layer = 2 * 8 * 64 * 2  # K and V x kv heads x head_dim x bf16
+    work = Workload(4, 512, 256)
+    full = workload_floor(work, counts, per_layer * 24, config, ANCHOR_CEILINGS)
+    mixed = workload_floor(work, counts, [(per_layer, 128 if i % 2 == 0 else None) for i in range(24)], config,
+                           ANCHOR_CEILINGS)
+    # a decode step of a window layer reads 128 tokens instead of 512..767
+    assert mixed["decode_bytes"] == pytest.approx(full["decode_bytes"] * (128 + 639.5) / (2 * 639.5))
+    assert mixed["flops"] < full["flops"]
+
+
+def test_cpu_run_of_a_window_model(tmp_path, capsys):
+    """A model with window layers and KV cache groups through the benchmark (the roofline reads its
+    per-layer windows)."""
+    model = make_tiny_checkpoint("gpt_oss", tmp_path / "m", seed=1, vocab_size=320, hidden_size=64,
+                                 intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                 sliding_window=8, max_position_embeddings=128)
+    out = tmp_path / "r.json"
+    assert main(["bench", "throughput", "--model", str(model), "--device", "cpu", "--num-prompts", "2",
+                 "--input-len", "16", "--output-len", "8", "--ignore-eos", "--repeats", "1",
+                 "--bandwidth-gbs", "10", "--matmul-tflops", "0.1", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["model"]["architecture"] == "GptOssForCausalLM" and res["best"]["output_tokens"] == 16
 
 
 def test_cpu_run_writes_the_result_file(tmp_path, capsys):

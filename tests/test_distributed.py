@@ -241,6 +241,25 @@ class _RecordingRunner:
         self.log.append(("allocate", num_blocks))
 
 
+def test_tp2_gpt_oss_with_window_groups(tmp_path):
+    """GPT-OSS over 2 ranks: each rank's sink logits and expert slices (biases: the down bias added
+    once), and the window layers' own block tables mirrored on the other rank."""
+    path = make_tiny_checkpoint("gpt_oss", tmp_path, seed=2, **dict(
+        TINY, num_key_value_heads=2, intermediate_size=32, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=12, rope_parameters=dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                                                truncate=False, original_max_position_embeddings=32,
+                                                rope_theta=150000.0)))
+    llm = _tp2_engine(path)
+    try:
+        assert llm.engine.runner.kv_layout.windows == (None, 12)
+        prompts = _prompts()
+        assert _tokens(llm.generate(prompts, GREEDY)) == hf_greedy_tokens(path, prompts, 24)
+        assert llm.get_stats()["kv_blocks_used"] == 0
+    finally:
+        _LIVE_TP_ENGINES.remove(llm)
+        llm.shutdown()
+
+
 def test_lookahead_launches_reach_every_rank_with_its_own_device_tokens():
     """The protocol of decode lookahead under tensor parallelism (graphs only run on GPUs)."""
     channel = _LoopbackChannel()
@@ -270,6 +289,15 @@ def test_lookahead_launches_reach_every_rank_with_its_own_device_tokens():
     assert [e[1:] for e in driver.log if e[0] == "launch"] == [(0, [1, 1], [5, 5]), (1, [1, 1], [6, 6]),
                                                              (1, [2, 2], [7, 7])]
     assert ("forget", seqs[0].seq_id) in worker.log
+
+
+def test_step_mirror_carries_every_kv_group_table():
+    enc, dec = StepEncoder(), StepDecoder(num_groups=3)
+    a = Sequence("r", 0, [1, 2, 3, 4, 5], SamplingParams())
+    a.block_table, a.group_block_tables = [3, 4], [[-1, 6], [7, 8]]  # a released window block: -1
+    out, _ = dec.decode(enc.encode(SchedulerOutput([ScheduledSeq(a, 5, True)], 0, 5)))
+    mirror = out.scheduled[0].seq
+    assert mirror.block_table == [3, 4] and mirror.group_block_tables == [[-1, 6], [7, 8]]
 
 
 def test_step_mirror_tracks_sequences_across_steps():

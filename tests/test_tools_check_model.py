@@ -71,6 +71,24 @@ def test_a_correct_model_passes_every_check(capsys):
     assert checks["kv_cache"]["metrics"]["bytes_per_token"] == 2 * 2 * 2 * 32 * 4
 
 
+@pytest.mark.parametrize("architecture,variant", [
+    ("Gemma2ForCausalLM", "window"), ("Gemma3ForCausalLM", "window"), ("MixtralForCausalLM", "gqa"),
+    ("GptOssForCausalLM", "window"), ("DeepseekV32ForCausalLM", "base")])
+def test_issue18_architectures_pass(capsys, architecture, variant):
+    """The architectures of issue 18 on the variant that exercises the most of them (a sliding-window
+    layer next to a global one; DeepSeek-V3.2's top-k indexer); the other variants pass too
+    (``pagoda check-model <architecture>``, docs/models.md)."""
+    code, report = _json_report(capsys, ["check-model", architecture, "--variant", variant, "--json"])
+    failed = [c for v in report["variants"] for c in v["checks"] if not c["passed"]]
+    assert code == 0 and not failed, failed
+
+
+def test_layered_window_models_get_global_and_mixed_variants():
+    names = {v.name: v.fields for v in variants_for_architecture("Gemma3ForCausalLM")}
+    assert names["gqa"]["layer_types"] == ["full_attention"] * 2 and names["gqa"]["sliding_window"] == 24
+    assert names["window"]["layer_types"] == ["sliding_attention", "full_attention"]
+
+
 def test_wrong_logits_fail_with_exit_1(capsys, registered):
     registered("ScaledLogitsForCausalLM", ScaledLogitsForCausalLM)
     code, report = _json_report(capsys, ["check-model", "ScaledLogitsForCausalLM", "--variant", "gqa",
@@ -138,6 +156,9 @@ def test_kv_bytes_the_architecture_implies():
     assert expected_kv_bytes_per_token(gqa, 2) == 3 * 2 * 2 * 32 * 2
     mla = AutoConfig.for_model("deepseek_v3", num_hidden_layers=4, kv_lora_rank=512, qk_rope_head_dim=64)
     assert expected_kv_bytes_per_token(mla, 2) == 4 * (512 + 64) * 2
+    sparse = AutoConfig.for_model("deepseek_v32", num_hidden_layers=4, kv_lora_rank=512, qk_rope_head_dim=64,
+                                  index_head_dim=128)
+    assert expected_kv_bytes_per_token(sparse, 2) == 4 * (512 + 64 + 128) * 2  # the index key is cached too
 
 
 def test_kv_check_fails_on_a_wrong_size(tmp_path):

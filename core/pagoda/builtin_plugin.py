@@ -1,5 +1,5 @@
 """The core's own hook implementations: the CPU platform, the pure-torch attention
-backends (multi-head and MLA), the default KV allocator and the torch reference of every
+backends (multi-head, MLA and DeepSeek's sparse MLA), the default KV allocator and the torch reference of every
 kernel op."""
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ def register_platforms(register):
 @hookimpl
 def register_attention_backends(register):
     from pagoda.attention.torch_mla import TorchMLAAttention
+    from pagoda.attention.torch_mla_sparse import TorchSparseMLAAttention
     from pagoda.attention.torch_paged import TorchPagedAttention
 
     register(TorchPagedAttention())
     register(TorchMLAAttention())
+    register(TorchSparseMLAAttention())
 
 
 @hookimpl

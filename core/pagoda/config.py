@@ -45,8 +45,8 @@ class EngineConfig(BaseModel):
                                       "gpu_memory_utilization)")
     kv_cache_memory_gb: float | None = Field(None, gt=0, description="KV cache size in GiB, instead of "
                                              "sizing it from memory_utilization")
-    num_kv_blocks: int | None = Field(None, gt=0, description="fixed KV cache size in blocks; overrides "
-                                      "the memory budget")
+    num_kv_blocks: int | None = Field(None, gt=0, description="fixed KV cache size in blocks (of block_size "
+                                      "tokens in every layer); overrides the memory budget")
     attention_backend: str = Field("auto", description="attention backend name, or auto")
     attention_options: dict = Field(default_factory=dict, description="options for the selected attention "
                                     "backend, e.g. {tile_size: 256} for a tiled backend; a backend "

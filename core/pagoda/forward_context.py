@@ -68,20 +68,33 @@ class ForwardContext:
     # attention kind -> the metadata its backend prepared (``backend_data`` is per backend); kinds
     # missing here read ``attn_metadata``
     metadata_by_kind: dict[str, AttentionMetadata] = field(default_factory=dict)
+    # (kind, KV cache group > 0) -> that group's metadata: its own block tables and slot mapping
+    # (``pagoda.engine.kv_groups``; models mixing sliding-window and global layers)
+    group_metadata: dict[tuple[str, int], AttentionMetadata] = field(default_factory=dict)
 
-    def metadata_for(self, kind: str) -> AttentionMetadata | None:
+    def metadata_for(self, kind: str, group: int = 0) -> AttentionMetadata | None:
+        if group:
+            return self.group_metadata[(kind, group)]
         return self.metadata_by_kind.get(kind, self.attn_metadata)
 
 
-def prepared_context(meta: AttentionMetadata, backends: dict[str, Any], **kw: Any) -> ForwardContext:
+def prepared_context(meta: AttentionMetadata, backends: dict[str, Any],
+                     group_tables: list[tuple[torch.Tensor, torch.Tensor]] | None = None, **kw: Any) -> ForwardContext:
     """A ForwardContext where each selected backend has run ``prepare`` on its own view of the
-    step's metadata (a model with both MHA and MLA layers keeps both backends' data)."""
-    by_kind = {}
+    step's metadata (a model with both MHA and MLA layers keeps both backends' data), and on
+    each further KV cache group's view (``group_tables``: (block_tables, slot_mapping) of
+    groups 1..)."""
+    by_kind, by_group = {}, {}
     for kind, backend in backends.items():
         own = meta if len(backends) == 1 else dataclasses.replace(meta)
         own.backend_data = backend.prepare(own)
         by_kind[kind] = own
-    return ForwardContext(attn_metadata=meta, backends=backends, metadata_by_kind=by_kind, **kw)
+        for group, (tables, slots) in enumerate(group_tables or (), 1):
+            view = dataclasses.replace(meta, block_tables=tables, slot_mapping=slots)
+            view.backend_data = backend.prepare(view)
+            by_group[(kind, group)] = view
+    return ForwardContext(attn_metadata=meta, backends=backends, metadata_by_kind=by_kind, group_metadata=by_group,
+                          **kw)
 
 
 _CONTEXT: ForwardContext | None = None

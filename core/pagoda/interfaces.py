@@ -92,8 +92,11 @@ class AttentionSpec:
     """What one attention layer needs from a backend and from the KV cache.
 
     kind "mha" (multi-head, grouped-query included): the cache holds K and V for
-    ``num_kv_heads`` heads of ``head_size``. kind "mla": the cache holds one latent vector
-    of ``kv_lora_rank + qk_rope_head_dim`` per token; ``extra`` carries the MLA dims.
+    ``num_kv_heads`` heads of ``head_size``. ``sinks``: each query head has a learned sink
+    logit (``layer.sinks`` [num_heads] float32, GPT-OSS) that joins the softmax's denominator.
+    kind "mla": the cache holds one latent vector of ``kv_lora_rank + qk_rope_head_dim`` per
+    token; ``extra`` carries the MLA dims. kind "mla_sparse" (DeepSeek-V3.2): the latent followed
+    by the indexer's key, ``head_size`` values per token (``pagoda.layers.sparse_mla``).
     """
 
     kind: str
@@ -103,6 +106,7 @@ class AttentionSpec:
     scale: float
     sliding_window: int | None = None
     logits_soft_cap: float | None = None
+    sinks: bool = False
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
     extra: dict = field(default_factory=dict, compare=False, hash=False)
@@ -129,6 +133,9 @@ class AttentionBackend:
     dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")
     # Whether forward() may be captured in a graph for decode-only batches.
     supports_graphs: bool = False
+    # Whether forward() applies ``layer.sinks`` (AttentionSpec.sinks); a backend that does not
+    # is never selected for such layers.
+    supports_sinks: bool = False
 
     def supports(self, platform: str, dtype: str, spec: AttentionSpec) -> str | None:
         """None if this backend can run ``spec`` on ``platform`` in ``dtype``; else the reason."""
@@ -138,6 +145,8 @@ class AttentionBackend:
             return f"does not implement attention kind {spec.kind!r}"
         if dtype not in self.dtypes:
             return f"does not support dtype {dtype}"
+        if spec.sinks and not self.supports_sinks:
+            return "does not implement attention sinks"
         return None
 
     def auto_selectable(self, platform: str) -> bool:
@@ -160,6 +169,8 @@ class AttentionBackend:
         """Shape of one layer's cache tensor."""
         if spec.kind == "mla":
             return (num_blocks, block_size, spec.latent_dim)
+        if spec.kind == "mla_sparse":  # [latent | k_pe | index_k] per token (pagoda.layers.sparse_mla)
+            return (num_blocks, block_size, spec.head_size)
         return (2, num_blocks, block_size, spec.num_kv_heads, spec.head_size)
 
     def prepare(self, meta: Any) -> Any:

@@ -255,7 +255,7 @@ class Scheduler:
             if left <= 0 or (left == 1 and seq.token_ids[-1] == PENDING_TOKEN and self.ends_by_length(seq)):
                 continue
             tokens = seq.num_computed_tokens + min(left, self.max_num_batched_tokens)
-            need += max(0, bm.blocks_needed(tokens) - len(seq.block_table))
+            need += bm.new_blocks_needed(seq, tokens)
         return need <= bm.num_free_blocks
 
     def check_stop(self, seq: Sequence, token: int, eos_token_ids: set[int]) -> SequenceStatus | None:

@@ -41,6 +41,9 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # block tables of KV cache groups 1.. (models mixing sliding-window and global layers; see
+    # pagoda.block_manager); entries of blocks that left a window are NULL_BLOCK (-1)
+    group_block_tables: list[list[int]] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hashes of its full, cached blocks
     status: SequenceStatus = SequenceStatus.WAITING
     num_preemptions: int = 0

@@ -3,7 +3,9 @@ measured matmul rate, whichever takes longer.
 
 As in ``/shared/BENCH_ANCHORS.md``: every decode step reads all weights (at large batches every
 MoE expert is hit) and each running sequence's KV cache; prefill may overlap decode, so it adds
-FLOPs but no bytes; all FLOPs pass through the matrix units.
+FLOPs but no bytes; all FLOPs pass through the matrix units. A sliding-window layer reads and
+attends to at most its window (Gemma, GPT-OSS): give ``workload_floor`` the per-layer KV bytes
+and windows (``ModelRunner.kv_layer_bytes()``).
 """
 
 from __future__ import annotations
@@ -100,16 +102,25 @@ def attention_dims(hf_config) -> tuple[int, int, int]:
     return layers, heads, width
 
 
-def workload_floor(work: Workload, counts: dict, kv_bytes_per_token: float, hf_config, ceilings: Ceilings) -> dict:
+def _keys_seen(length: int, window: int | None) -> float:
+    """Keys the tokens at positions 0..length-1 attend to, summed: c + 1 each, at most ``window``."""
+    w = length if window is None else min(window, length)
+    return w * (w + 1) / 2 + (length - w) * w
+
+
+def workload_floor(work: Workload, counts: dict, kv_bytes_per_token, hf_config, ceilings: Ceilings) -> dict:
+    """``kv_bytes_per_token``: bytes per token of the whole cache (every layer keeps every token), or
+    [(bytes per token, window or None)] per attention layer."""
     n, p, o = work.num_prompts, work.input_len, work.output_len
-    # decode step s (0..o-1) reads every weight and each sequence's p + s cached tokens
-    kv_tokens = n * (o * p + o * (o - 1) / 2)
-    decode_bytes = o * counts["weight_bytes"] + kv_tokens * kv_bytes_per_token
-    tokens = n * (p + o)
     layers, heads, width = attention_dims(hf_config)
-    # token at position c attends to c + 1 keys: 2 FLOPs per multiply-add, QK and PV
-    ctx_sum = n * ((p * (p + 1)) / 2 + o * p + o * (o + 1) / 2)
-    attn_flops = 2 * layers * heads * width * ctx_sum
+    kv_layers = (kv_bytes_per_token if isinstance(kv_bytes_per_token, (list, tuple))
+                 else [(kv_bytes_per_token / layers, None)] * layers)
+    # decode step s (0..o-1) reads every weight and each sequence's p + s cached tokens (at most a window)
+    kv_bytes = sum(b * n * sum(p + s if w is None else min(p + s, w) for s in range(o)) for b, w in kv_layers)
+    decode_bytes = o * counts["weight_bytes"] + kv_bytes
+    tokens = n * (p + o)
+    # token at position c attends to c + 1 keys (at most a window): 2 FLOPs per multiply-add, QK and PV
+    attn_flops = 2 * heads * width * n * sum(_keys_seen(p + o, w) for _, w in kv_layers) * layers / len(kv_layers)
     flops = 2 * counts["matmul_params_per_token"] * tokens + 2 * counts["lm_head_params"] * n * o + attn_flops
     bytes_s = decode_bytes / ceilings.bandwidth
     flops_s = flops / ceilings.matmul_flops

@@ -1,6 +1,8 @@
-"""Named benchmark shapes: the transformers configs of ``/shared/BENCH_ANCHORS.md``, written
-to a directory as ``config.json`` so the engine loads them with ``load_format: dummy``
-(random weights built on the device; nothing is downloaded)."""
+"""Named benchmark shapes: the transformers configs of ``/shared/BENCH_ANCHORS.md`` (and of
+google/gemma-3-1b-it and openai/gpt-oss-20b, whose published configs these copy), written to a
+directory as ``config.json`` so the engine loads them with ``load_format: dummy`` (random
+weights built on the device; nothing is downloaded). gpt-oss-20b's experts are then bf16, as
+pagoda computes the published MXFP4 ones after dequantizing them at load."""
 
 from __future__ import annotations
 
@@ -36,6 +38,24 @@ SHAPES: dict[str, dict] = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
                          "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
                          "mscale": 1.0, "mscale_all_dim": 1.0}),
+    # five layers of window 512 per global layer (pattern 6), MQA with 256-wide heads
+    "gemma3-1b": dict(
+        model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], hidden_size=1152, intermediate_size=6912,
+        num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
+        tie_word_embeddings=True, max_position_embeddings=32768, rms_norm_eps=1e-6, query_pre_attn_scalar=256,
+        sliding_window=512, hidden_activation="gelu_pytorch_tanh",
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}),
+    # 24 layers alternating window 128 and global, sinks, 32 experts top-4 with biases
+    "gpt-oss-20b": dict(
+        model_type="gpt_oss", architectures=["GptOssForCausalLM"], hidden_size=2880, intermediate_size=2880,
+        num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+        num_experts_per_tok=4, sliding_window=128, vocab_size=201088, tie_word_embeddings=False,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, attention_bias=True,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(24)],
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}),
 }
 
 

@@ -183,7 +183,7 @@ def run(args) -> int:
                 ceilings.matmul_flops = args.matmul_tflops * 1e12
         counts = model_counts(runner.model, hf_config)
         work = Workload(args.num_prompts, args.input_len, args.output_len)
-        floor = workload_floor(work, counts, runner.kv_bytes_per_token(), hf_config, ceilings)
+        floor = workload_floor(work, counts, runner.kv_layer_bytes(), hf_config, ceilings)
         result = {
             "schema": SCHEMA,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

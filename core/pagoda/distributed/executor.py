@@ -57,7 +57,8 @@ logger = logging.getLogger("pagoda")
 STARTUP_TIMEOUT_S = 600.0  # for workers to import torch and reach the rendezvous
 FAILURE_GRACE_S = 5.0  # after a failed collective, how long to wait for the culprit's report or exit
 # Runner methods that only read rank 0's state (anything else must go through the executor).
-LOCAL_METHODS = frozenset({"spec_summary", "kv_bytes_per_token", "bytes_per_block", "kv_cache_dtype"})
+LOCAL_METHODS = frozenset({"spec_summary", "kv_bytes_per_token", "kv_layer_bytes", "bytes_per_block",
+                           "kv_cache_dtype"})
 
 
 def create_executor(config: EngineConfig, source: Any, hf_config: Any, platform: Platform, dtype: str) -> Any:

@@ -4,14 +4,16 @@ Rank 0 schedules; the other ranks keep a mirror ``Sequence`` per live sequence a
 the same ``SchedulerOutput``, so that every rank runs the very same ``ModelRunner.execute``
 (eager or graphs) on identical inputs. Mirrored: every field the runner reads from a
 sequence — ``seq_id``, ``token_ids``, the prompt length, ``num_computed_tokens``,
-``block_table`` and ``num_preemptions`` (decode graphs key their incremental block tables on
-it). Token ids travel once: a sequence's first step carries all its tokens, later steps only
-the ones appended since. Block tables travel whole (preemption and prefix caching rewrite
-them). Sequences the engine forgot are freed on the next step.
+``block_table`` (and the other KV cache groups' ``group_block_tables``, each as long) and
+``num_preemptions`` (decode graphs key their incremental block tables on it). Token ids travel
+once: a sequence's first step carries all its tokens, later steps only the ones appended since.
+Block tables travel whole (preemption and prefix caching rewrite them). Sequences the engine
+forgot are freed on the next step.
 
 Words: ``[n, num_decodes, num_batched_tokens, num_freed]``, then n rows of
 ``(seq_id, num_computed_tokens, num_new_tokens, sample, num_prompt_tokens, num_preemptions,
-num_sent_tokens, num_blocks)``, then the sent tokens, the block tables and the freed ids.
+num_sent_tokens, num_blocks)``, then the sent tokens, the block tables (``num_blocks`` entries of
+each group, group 0 first) and the freed ids.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class StepEncoder:
                        seq.num_preemptions, len(new), len(seq.block_table))
             tokens += new
             blocks += seq.block_table
+            for table in seq.group_block_tables:
+                blocks += table
         freed, self._freed = self._freed, []
         head = np.array([n, out.num_decodes, out.num_batched_tokens, len(freed)], np.int64)
         return np.concatenate([head, rows.reshape(-1), np.asarray(tokens, np.int64), np.asarray(blocks, np.int64),
@@ -66,8 +70,9 @@ _PARAMS = SamplingParams()  # mirrors never sample: rank 0 does
 class StepDecoder:
     """Ranks > 0: the mirror sequences, by seq_id."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_groups: int = 1) -> None:
         self.seqs: dict[int, Sequence] = {}
+        self.num_groups = num_groups  # KV cache groups (pagoda.engine.kv_groups)
 
     def decode(self, words: np.ndarray, persistent: bool = True) -> tuple[SchedulerOutput, list[int]]:
         """(the SchedulerOutput to run, the seq ids rank 0 forgot)."""
@@ -77,7 +82,8 @@ class StepDecoder:
         num_tokens = sum(r[6] for r in rows)
         tokens = words[pos:pos + num_tokens].tolist()
         pos += num_tokens
-        num_blocks = sum(r[7] for r in rows)
+        groups = self.num_groups
+        num_blocks = sum(r[7] for r in rows) * groups
         blocks = words[pos:pos + num_blocks].tolist()
         pos += num_blocks
         freed = words[pos:pos + num_freed].tolist()
@@ -99,6 +105,8 @@ class StepDecoder:
             seq.num_computed_tokens = computed
             seq.num_preemptions = preemptions
             seq.block_table = blocks[b:b + num_bt]
-            b += num_bt
+            if groups > 1:
+                seq.group_block_tables = [blocks[b + g * num_bt:b + (g + 1) * num_bt] for g in range(1, groups)]
+            b += num_bt * groups
             scheduled.append(ScheduledSeq(seq, num_new, bool(sample)))
         return SchedulerOutput(scheduled, num_decodes, num_batched), freed

@@ -43,7 +43,8 @@ class NoSampling:
 def serve_rank(runner: Any, channel: ControlChannel) -> None:
     """Run steps and calls from rank 0 until it sends STOP."""
     runner.sampler = NoSampling()
-    decoder = StepDecoder()
+    layout = getattr(runner, "kv_layout", None)  # KV cache groups: one block table each
+    decoder = StepDecoder(layout.num_groups if layout is not None else 1)
     launched = None  # the last launch_decode's PendingDecode (its tokens feed a step launched ahead)
     stepping = False
     while True:

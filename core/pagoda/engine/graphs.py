@@ -9,7 +9,9 @@ major; the graphs see its transpose, [batch, max_blocks] with strides (1, max_ba
 row is rewritten only when another sequence takes it or its sequence was preempted; else
 only the blocks appended since the last step are written. Each step copies three small
 buffers to the device: the int64 rows (ids, positions, slots), the int32 rows (sequence
-lengths) and the first ``max blocks in use`` rows of the table.
+lengths) and the first ``max blocks in use`` rows of the table. A model with several KV cache
+groups (``pagoda.engine.kv_groups``) has a table and a slot row per group; entries of blocks that
+left a window are never read, so a released entry is not rewritten.
 """
 
 from __future__ import annotations
@@ -42,13 +44,14 @@ class DecodeGraphs:
         dev = runner.device
         pin = dev.type == "cuda"
         b, w = self.max_bs, self.width
-        # int64 rows: input ids, positions, slots; int32 rows: seq lens, token seq lens
-        self.host64 = torch.zeros(3, b, dtype=torch.int64, pin_memory=pin)
+        self.num_groups = g = runner.kv_layout.num_groups
+        # int64 rows: input ids, positions, then the slots of each group; int32 rows: seq lens, token seq lens
+        self.host64 = torch.zeros(2 + g, b, dtype=torch.int64, pin_memory=pin)
         self.host32 = torch.zeros(2, b, dtype=torch.int32, pin_memory=pin)
-        self.host_tables = torch.zeros(w, b, dtype=torch.int32, pin_memory=pin)  # [block index, row]
-        self.dev64 = torch.zeros(3, b, dtype=torch.int64, device=dev)
+        self.host_tables = torch.zeros(g, w, b, dtype=torch.int32, pin_memory=pin)  # [group, block index, row]
+        self.dev64 = torch.zeros(2 + g, b, dtype=torch.int64, device=dev)
         self.dev32 = torch.zeros(2, b, dtype=torch.int32, device=dev)
-        self.dev_tables = torch.zeros(w, b, dtype=torch.int32, device=dev)
+        self.dev_tables = torch.zeros(g, w, b, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, object] = {}
         self.contexts: dict[int, ForwardContext] = {}
@@ -64,8 +67,9 @@ class DecodeGraphs:
         ids, positions, slots = self.dev64[0, :bucket], self.dev64[1, :bucket], self.dev64[2, :bucket]
         seq_lens = self.dev32[0, :bucket]
         token_seq_lens = self.dev32[1, :bucket]
-        tables = self.dev_tables.t()[:bucket]  # [bucket, width], strides (1, max_bs)
-        return ids, positions, slots, seq_lens, token_seq_lens, tables
+        tables = self.dev_tables[0].t()[:bucket]  # [bucket, width], strides (1, max_bs)
+        groups = [(self.dev_tables[g].t()[:bucket], self.dev64[2 + g, :bucket]) for g in range(1, self.num_groups)]
+        return ids, positions, slots, seq_lens, token_seq_lens, tables, groups
 
     def can_run(self, out: SchedulerOutput) -> bool:
         n = len(out.scheduled)
@@ -75,7 +79,8 @@ class DecodeGraphs:
         """Write changed block-table entries into the host table; return the widest row used.
         Between preemptions a sequence's block table only grows, so (seq_id, preemptions)
         names its contents up to the blocks already written."""
-        table = self.np_tables
+        table = self.np_tables[0]
+        others = [(self.np_tables[g], g - 1) for g in range(1, self.num_groups)]
         owners, written = self.row_owner, self.row_blocks
         widest = 0
         for i, s in enumerate(seqs):
@@ -86,12 +91,16 @@ class DecodeGraphs:
             owner = (s.seq_id, s.num_preemptions)
             done = written[i]
             if owners[i] == owner and done <= k and (done == 0 or table[done - 1, i] == bt[done - 1]):
-                if k > done:
+                if k > done:  # new blocks only (a window's released entries are never read again)
                     table[done:k, i] = bt[done:k]
+                    for other, g in others:
+                        other[done:k, i] = s.group_block_tables[g][done:k]
                     written[i] = k
                 continue
-            if k:
-                table[:k, i] = bt
+            if k:  # released entries (NULL_BLOCK) as block 0: any valid id
+                table[:k, i] = np.maximum(bt, 0)
+                for other, g in others:
+                    other[:k, i] = np.maximum(s.group_block_tables[g], 0)
             owners[i] = owner
             written[i] = k
         return min(widest, self.width)
@@ -110,10 +119,11 @@ class DecodeGraphs:
             pos += ahead
         h64[1, :n] = pos
         widest = self._update_tables(seqs)
-        block = pos // self.block_size
-        h64[2, :n] = self.np_tables[block, np.arange(n)].astype(np.int64) * self.block_size + pos % self.block_size
+        block, rows = pos // self.block_size, np.arange(n)
+        for g in range(self.num_groups):
+            h64[2 + g, :n] = self.np_tables[g, block, rows].astype(np.int64) * self.block_size + pos % self.block_size
         h64[:2, n:bucket] = 0
-        h64[2, n:bucket] = -1
+        h64[2:, n:bucket] = -1
         h32[0, :n] = pos + 1
         h32[0, n:bucket] = 1
         h32[1, :n] = pos + 1  # a decoding sequence's length is its computed tokens + the new one
@@ -133,7 +143,7 @@ class DecodeGraphs:
         rows = self._fill(out, bucket, ahead)
         self.dev64.copy_(self.host64, non_blocking=True)
         self.dev32.copy_(self.host32, non_blocking=True)
-        self.dev_tables[:rows].copy_(self.host_tables[:rows], non_blocking=True)
+        self.dev_tables[:, :rows].copy_(self.host_tables[:, :rows], non_blocking=True)
         if input_ids is not None:
             self.dev64[0, :n].copy_(input_ids)
         if patch is not None:
@@ -151,17 +161,17 @@ class DecodeGraphs:
         runner = self.runner
         pool = runner.platform.graph_pool()
         for bucket in reversed(self.buckets):  # largest first, so smaller ones reuse its memory
-            ids, positions, slots, seq_lens, token_seq_lens, tables = self._views(bucket)
+            ids, positions, slots, seq_lens, token_seq_lens, tables, groups = self._views(bucket)
             self.dev32.fill_(1)
             self.dev_tables.zero_()
-            slots.fill_(-1)
+            self.dev64[2:].fill_(-1)
             meta = AttentionMetadata(
                 num_tokens=bucket, num_seqs=bucket, num_decodes=bucket, max_query_len=1,
                 max_seq_len=self.max_model_len, block_size=self.block_size,
                 query_start_loc=self.query_start_loc[:bucket + 1], seq_lens=seq_lens, block_tables=tables,
                 slot_mapping=slots, query_start_loc_cpu=list(range(bucket + 1)), seq_lens_cpu=[1] * bucket,
                 for_graph=True)
-            ctx = prepared_context(meta, runner.backends, token_seq_lens=token_seq_lens)
+            ctx = prepared_context(meta, runner.backends, token_seq_lens=token_seq_lens, group_tables=groups)
 
             def step(ids=ids, positions=positions, ctx=ctx):
                 with set_forward_context(ctx):

@@ -3,7 +3,7 @@ over tokens): input ids, positions, slot mapping, block tables and the sampling 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -22,10 +22,12 @@ class StepInputs:
     meta: AttentionMetadata
     sample_indices: torch.Tensor  # [N] rows of the hidden states to sample from
     sample_seqs: list[Sequence]
+    # KV cache groups 1.. (``pagoda.engine.kv_groups``): (block_tables, slot_mapping) of each
+    group_tables: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 def build_step_inputs(out: SchedulerOutput, block_size: int, device: torch.device,
-                      block_table_width: int | None = None) -> StepInputs:
+                      block_table_width: int | None = None, num_groups: int = 1) -> StepInputs:
     items = out.scheduled
     n = len(items)
     computed = np.fromiter((it.seq.num_computed_tokens for it in items), np.int64, n)
@@ -55,12 +57,17 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, device: torch.devic
 
     max_blocks = int(-(-seq_lens.max() // block_size)) if n else 1
     width = max(block_table_width or max_blocks, max_blocks)
-    tables = np.zeros((n, width), np.int32)
-    for i, it in enumerate(items):
-        bt = it.seq.block_table
-        k = min(len(bt), width)
-        tables[i, :k] = bt[:k]
-    slots = tables[row, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    def table_and_slots(group: int) -> tuple[np.ndarray, np.ndarray]:
+        tables = np.zeros((n, width), np.int32)
+        for i, it in enumerate(items):
+            bt = it.seq.block_table if group == 0 else it.seq.group_block_tables[group - 1]
+            k = min(len(bt), width)
+            tables[i, :k] = bt[:k]
+        np.maximum(tables, 0, out=tables)  # blocks that left a window (NULL_BLOCK, -1): any valid id, never read
+        slots = tables[row, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        return tables, slots
+
+    tables, slots = table_and_slots(0)
 
     sample_rows = [i for i, it in enumerate(items) if it.sample]
     sample_idx = qsl[1:][sample_rows] - 1
@@ -76,7 +83,12 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, device: torch.devic
         block_tables=dev(tables), slot_mapping=dev(slots),
         query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist(),
     )
+    group_tables = []
+    for group in range(1, num_groups):
+        g_tables, g_slots = table_and_slots(group)
+        group_tables.append((dev(g_tables), dev(g_slots)))
     return StepInputs(
         input_ids=dev(ids), positions=dev(positions), token_seq_lens=dev(token_seq_lens.astype(np.int32)),
         meta=meta, sample_indices=dev(sample_idx), sample_seqs=[items[i].seq for i in sample_rows],
+        group_tables=group_tables,
     )

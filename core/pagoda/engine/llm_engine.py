@@ -12,6 +12,7 @@ from pagoda.block_manager import BlockManager
 from pagoda.config import EngineConfig
 from pagoda.detokenizer import Detokenizer, find_stop_string
 from pagoda.distributed.executor import create_executor
+from pagoda.engine.kv_groups import blocks_for_one_sequence
 from pagoda.engine.lookahead import DecodeLookahead
 from pagoda.engine.model_runner import ModelRunner
 from pagoda.engine.pipeline import StepPipeline
@@ -60,20 +61,23 @@ class LLMEngine:
         # one device: a ModelRunner; tensor_parallel_size > 1 or torchrun: rank 0's executor
         self.runner = create_executor(config, self.source, self.hf_config, self.platform, dtype)
         num_blocks = self.runner.allocate_kv_cache()
-        if num_blocks * config.block_size < self.max_model_len:
+        step_tokens = config.max_num_batched_tokens or self.platform.default_max_num_batched_tokens()
+        windows = self.runner.kv_layout.windows
+        one_sequence = blocks_for_one_sequence(windows, self.max_model_len, config.block_size, step_tokens)
+        if num_blocks < one_sequence:
+            groups = f" in {len(windows)} KV cache groups (windows {list(windows)})" if len(windows) > 1 else ""
             raise ConfigError(
                 f"the KV cache holds {num_blocks} blocks × block_size {config.block_size} = "
                 f"{num_blocks * config.block_size} tokens, less than one sequence of max_model_len="
-                f"{self.max_model_len}: lower max_model_len or give the cache more room "
-                f"(num_kv_blocks, kv_cache_memory_gb, memory_utilization)")
+                f"{self.max_model_len} needs ({one_sequence} blocks{groups}): lower max_model_len or give the "
+                f"cache more room (num_kv_blocks, kv_cache_memory_gb, memory_utilization)")
         prefix_caching = config.enable_prefix_caching
         if prefix_caching and uses_sequence_length(self.runner.model, self.max_model_len):
             logger.warning("prefix caching is off: this model's rotary scaling depends on each sequence's length "
                            "(e.g. LongRoPE beyond original_max_position_embeddings), so cached blocks cannot be "
                            "shared between sequences; lower max_model_len to the switch length to keep it")
             prefix_caching = False
-        self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching)
-        step_tokens = config.max_num_batched_tokens or self.platform.default_max_num_batched_tokens()
+        self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching, windows)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, step_tokens, self.max_model_len)
         self.runner.capture_graphs(config.max_num_seqs, self.max_model_len)
         # offline steps launched ahead of the host work: every step on one CUDA device

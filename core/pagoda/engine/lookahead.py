@@ -59,8 +59,7 @@ class DecodeLookahead:
             if num_tokens + 1 >= max_len or (limit is not None and
                                              num_tokens + 1 - len(seq.prompt_token_ids) >= limit):
                 return None
-            if (seq.num_computed_tokens + 2) > len(seq.block_table) * block_size:
-                new_blocks += 1
+            new_blocks += bm.new_blocks_needed(seq, seq.num_computed_tokens + 2)
         if new_blocks > bm.num_free_blocks:
             return None
         if new_blocks:

@@ -15,6 +15,7 @@ import torch
 from pagoda import kernels
 from pagoda.config import EngineConfig
 from pagoda.engine.inputs import StepInputs, build_step_inputs
+from pagoda.engine.kv_groups import KVCacheLayout, plan_kv_layout
 from pagoda.errors import ConfigError
 from pagoda.forward_context import ForwardContext, prepared_context, set_forward_context
 from pagoda.interfaces import AttentionBackend, AttentionSpec, Platform
@@ -90,6 +91,7 @@ class ModelRunner:
                 # to a backend auto-picked for a kind the named one does not implement.
                 named = config.attention_backend in ("auto", backend.name)
                 self.backends[layer.spec.kind] = backend.configure(config.attention_options if named else {})
+        self.kv_layout = self._plan_kv_layout()
         self.sampler = Sampler(device, config.seed)
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
@@ -105,38 +107,76 @@ class ModelRunner:
     def _layer_shape(self, layer: Attention, num_blocks: int) -> tuple[int, ...]:
         return self.backends[layer.spec.kind].kv_cache_shape(layer.spec, num_blocks, self.config.block_size)
 
+    def _plan_kv_layout(self) -> KVCacheLayout:
+        """KV cache groups (``pagoda.engine.kv_groups``): window layers that give back the blocks
+        that left their windows; each layer learns its group (which block tables it reads)."""
+        windows = [layer.spec.sliding_window or None for layer in self.attn_layers]
+        layout = plan_kv_layout(windows, [(layer.spec.kind, self._layer_shape(layer, 1)) for layer in self.attn_layers])
+        for layer, group in zip(self.attn_layers, layout.layer_group):
+            layer.kv_group = group
+        if layout.note:
+            logger.info("kv cache: %s", layout.note)
+        elif layout.num_groups > 1:
+            logger.info("kv cache: %d groups of %d layers (windows %s): window layers keep only their windows' "
+                        "blocks", layout.num_groups, layout.num_slots, list(layout.windows))
+        return layout
+
+    def _slot_layers(self) -> list[Attention]:
+        """One attention layer per cache tensor (the first that uses it): its shape is the tensor's."""
+        first: dict[int, Attention] = {}
+        for layer, slot in zip(self.attn_layers, self.kv_layout.layer_slot):
+            first.setdefault(slot, layer)
+        return [first[slot] for slot in range(self.kv_layout.num_slots)]
+
+    def _page_bytes(self, layer: Attention) -> int:
+        numel = 1
+        for d in self._layer_shape(layer, 1):
+            numel *= d
+        return numel * torch.empty((), dtype=self.kv_cache_dtype()).element_size()
+
     def bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.kv_cache_dtype()).element_size()
-        total = 0
-        for layer in self.attn_layers:
-            numel = 1
-            for d in self._layer_shape(layer, 1):
-                numel *= d
-            total += numel * elem
-        return total
+        """Bytes one block id takes: a page in every cache tensor."""
+        return sum(self._page_bytes(layer) for layer in self._slot_layers())
+
+    def kv_layer_bytes(self) -> list[tuple[float, int | None]]:
+        """(cache bytes per token, window or None) of each attention layer (roofline)."""
+        return [(self._page_bytes(layer) / self.config.block_size, layer.spec.sliding_window or None)
+                for layer in self.attn_layers]
 
     def kv_bytes_per_token(self) -> float:
-        return self.bytes_per_block() / self.config.block_size
+        """Bytes one token takes in every layer's cache (the cost at full context; window layers
+        stop paying it past their window)."""
+        return sum(self._page_bytes(layer) for layer in self.attn_layers) / self.config.block_size
 
     def available_kv_blocks(self) -> int:
-        """How many KV blocks the allocator fits in this device's budget."""
+        """How many KV blocks the allocator fits in this device's budget. With KV cache groups a
+        block id holds fewer layers than the model has: ``num_kv_blocks`` keeps meaning the memory
+        of that many blocks in every layer, so it gives proportionally more ids."""
         self.platform.synchronize()
-        return select_allocator(self.platform).num_blocks(self.platform, max(1, self.bytes_per_block()), self.config)
+        per_block = max(1, self.bytes_per_block())
+        blocks = select_allocator(self.platform).num_blocks(self.platform, per_block, self.config)
+        if self.config.num_kv_blocks and self.kv_layout.num_groups > 1:
+            blocks = int(blocks * self.kv_bytes_per_token() * self.config.block_size) // per_block
+        return blocks
 
     def allocate_kv_cache(self, num_blocks: int | None = None) -> int:
         """Allocate ``num_blocks`` per layer (default: what fits; tensor-parallel ranks pass the
         least any of them fits)."""
         allocator = select_allocator(self.platform)
         self.num_blocks = self.available_kv_blocks() if num_blocks is None else num_blocks
-        shapes = [self._layer_shape(layer, self.num_blocks) for layer in self.attn_layers]
+        shapes = [self._layer_shape(layer, self.num_blocks) for layer in self._slot_layers()]
         self.kv_caches = allocator.allocate(shapes, self.kv_cache_dtype(), self.device)
-        for layer, cache in zip(self.attn_layers, self.kv_caches):
-            layer.bind_kv_cache(cache)
+        for layer, slot in zip(self.attn_layers, self.kv_layout.layer_slot):
+            layer.bind_kv_cache(self.kv_caches[slot])
         return self.num_blocks
 
     # ------------------------------------------------------------------ execution
+    def _inputs(self, out: SchedulerOutput) -> StepInputs:
+        return build_step_inputs(out, self.config.block_size, self.device, num_groups=self.kv_layout.num_groups)
+
     def _context(self, inputs: StepInputs) -> ForwardContext:
-        return prepared_context(inputs.meta, self.backends, token_seq_lens=inputs.token_seq_lens)
+        return prepared_context(inputs.meta, self.backends, token_seq_lens=inputs.token_seq_lens,
+                                group_tables=inputs.group_tables)
 
     def _accumulate_experts(self, ctx: ForwardContext) -> None:
         found = ctx.expert_counts
@@ -156,7 +196,7 @@ class ModelRunner:
             logits = self.graphs.run(out)
             seqs = [it.seq for it in out.scheduled]
         else:
-            inputs = build_step_inputs(out, self.config.block_size, self.device)
+            inputs = self._inputs(out)
             ctx = self._context(inputs)
             with set_forward_context(ctx):
                 hidden = self.model(inputs.input_ids, inputs.positions)
@@ -179,7 +219,7 @@ class ModelRunner:
             n = len(out.scheduled)
             logits = self.graphs.run(out, patch=None if feed is None else (feed[1], feed[0].index_select(0, feed[2])))
             return self._pending(logits[:n].argmax(dim=-1))
-        inputs = build_step_inputs(out, self.config.block_size, self.device)
+        inputs = self._inputs(out)
         if feed is not None:
             tokens, rows, indices = feed
             inputs.input_ids.index_copy_(0, rows, tokens.index_select(0, indices))
@@ -225,7 +265,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_all_logits(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits of every scheduled token (tests and scoring): [T, vocab] float32."""
-        inputs = build_step_inputs(out, self.config.block_size, self.device)
+        inputs = self._inputs(out)
         with set_forward_context(self._context(inputs)):
             hidden = self.model(inputs.input_ids, inputs.positions)
             return self.model.compute_logits(hidden).float()

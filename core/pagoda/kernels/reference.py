@@ -24,6 +24,22 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return rms_norm(summed, weight, eps), summed
 
 
+def rms_norm_offset(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    """x [T, H], weight [H] -> [T, H]: x normalised in float32, times ``offset + weight`` in float32,
+    rounded once to x's dtype (Gemma's ``(1 + w)`` norm with offset 1; GPT-OSS's norm, whose
+    float32 weight multiplies before the rounding, with offset 0), as HF transformers does."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (offset + weight.float())).to(x.dtype)
+
+
+def fused_add_rms_norm_offset(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                              offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm_offset(x + residual), x + residual); the sum is in the activation dtype."""
+    summed = x + residual
+    return rms_norm_offset(summed, weight, eps, offset), summed
+
+
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_size: int,
                      cos_sin_cache: torch.Tensor, is_neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate the first ``rotary_dim`` dims of every head of q [T, nq*hs] and k [T, nk*hs].
@@ -120,21 +136,25 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+              topk_ids: torch.Tensor, activation: str = "silu", w13_bias: torch.Tensor | None = None,
+              w2_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Mixture-of-experts MLP, tokens grouped by expert.
 
     hidden [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_weights
     [T, K] (float32) and topk_ids [T, K] (integer) from the router. Returns [T, H] =
-    sum_k topk_weights[t, k] * w2[e] @ act_and_mul(w13[e] @ hidden[t]) with e = topk_ids[t, k],
-    the weighting done in the activation dtype. Ids outside [0, E) contribute nothing: with
-    expert parallelism the layer maps experts held by other ranks to -1.
+    sum_k topk_weights[t, k] * (w2[e] @ act_and_mul(w13[e] @ hidden[t] + w13_bias[e]) + w2_bias[e])
+    with e = topk_ids[t, k] (biases [E, 2I] and [E, H] optional, GPT-OSS), the weighting done in
+    the activation dtype. ``activation``: silu, gelu_tanh or swigluoai (GPT-OSS's clamped
+    SwiGLU). Ids outside [0, E) contribute nothing: with expert parallelism the layer maps
+    experts held by other ranks to -1.
     """
     return grouped_experts(hidden, topk_weights, topk_ids, w13.shape[0], activation,
-                           lambda e: (w13[e], w2[e]))
+                           lambda e: (w13[e], w2[e]), w13_bias, w2_bias)
 
 
 def grouped_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
-                    activation: str, expert_weights) -> torch.Tensor:
+                    activation: str, expert_weights, w13_bias: torch.Tensor | None = None,
+                    w2_bias: torch.Tensor | None = None) -> torch.Tensor:
     """The body of ``fused_moe`` for any weight storage: ``expert_weights(e)`` returns expert e's
     (w13 [2I, H], w2 [H, I]) in the activation dtype, and is called only for experts in use
     (quantized methods dequantize one expert at a time through it)."""
@@ -155,13 +175,27 @@ def grouped_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
         rows = order[start:start + count]
         x = hidden.index_select(0, token_of[start:start + count])
         w13, w2 = expert_weights(expert)
-        out.index_copy_(0, rows, act(x @ w13.t()) @ w2.t())
+        gate_up = x @ w13.t() if w13_bias is None else x @ w13.t() + w13_bias[expert]
+        y = act(gate_up) @ w2.t()
+        out.index_copy_(0, rows, y if w2_bias is None else y + w2_bias[expert])
         start += count
     weights = topk_weights.reshape(-1, 1).to(hidden.dtype)
     return (out * weights).view(t, k, -1).sum(dim=1)
 
 
-_GATED_ACTS = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
+
+
+def swigluoai_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's clamped SwiGLU over x [T, 2I] (gate half, then up half): gate clamped to at most
+    7, up to [-7, 7]; (up + 1) * gate * sigmoid(1.702 * gate)."""
+    d = x.shape[-1] // 2
+    gate = x[..., :d].clamp(max=SWIGLU_OAI_LIMIT)
+    up = x[..., d:].clamp(min=-SWIGLU_OAI_LIMIT, max=SWIGLU_OAI_LIMIT)
+    return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_OAI_ALPHA))
+
+
+_GATED_ACTS = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul, "swigluoai": swigluoai_and_mul}
 
 
 def store_mla_cache(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -189,6 +223,8 @@ def store_mla_cache(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tens
 OPS = {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
+    "rms_norm_offset": rms_norm_offset,
+    "fused_add_rms_norm_offset": fused_add_rms_norm_offset,
     "rotary_embedding": rotary_embedding,
     "qk_norm_rotary": qk_norm_rotary,
     "silu_and_mul": silu_and_mul,

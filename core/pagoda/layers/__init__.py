@@ -1,6 +1,7 @@
 """Building blocks for model files: parallel/quantizable linear layers, rotary embedding
 with every scaling, RMSNorm, gated activations, vocab-parallel embedding and LM head,
-attention over the paged cache (multi-head and MLA), the MoE layer and its routing."""
+attention over the paged cache (multi-head, MLA and DeepSeek's sparse MLA), the MoE layer and its
+routing."""
 
 from pagoda.layers.activation import GatedActivation, SiluAndMul
 from pagoda.layers.attention import Attention
@@ -20,11 +21,12 @@ from pagoda.layers.moe import FusedMoE, FusedMoEMethod, UnquantizedFusedMoEMetho
 from pagoda.layers.moe_routing import Routing
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_of
+from pagoda.layers.sparse_mla import SparseMLAAttention
 
 __all__ = [
     "Attention", "ColumnParallelLinear", "FusedMoE", "FusedMoEMethod", "GatedActivation", "LinearBase",
     "MLAAttention", "MergedColumnParallelLinear", "ParallelLMHead", "QKVParallelLinear", "RMSNorm",
-    "ReplicatedLinear", "RotaryEmbedding", "Routing", "RowParallelLinear", "SiluAndMul",
+    "ReplicatedLinear", "RotaryEmbedding", "Routing", "RowParallelLinear", "SiluAndMul", "SparseMLAAttention",
     "UnquantizedFusedMoEMethod", "UnquantizedLinearMethod", "VocabParallelEmbedding", "expert_params_mapping",
     "get_rope", "rope_parameters_of", "set_weight_attrs",
 ]

@@ -46,24 +46,34 @@ class Attention(nn.Module):
     """Multi-head / grouped-query attention over the paged cache.
 
     forward(q [T, nq*hs], k [T, nk*hs], v [T, nk*hs]) -> [T, nq*hs]
+
+    ``sinks``: the model's parameter of per-head sink logits [nq] (GPT-OSS), owned and loaded by
+    the model; each head's softmax denominator gains ``exp(sink)``.
     """
 
     kind = "mha"
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
-                 sliding_window: int | None = None, logits_soft_cap: float | None = None, prefix: str = ""):
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None, prefix: str = "",
+                 sinks: torch.Tensor | None = None):
         super().__init__()
         self.prefix = prefix
         self.spec = AttentionSpec(kind=self.kind, num_heads=num_heads,
                                   num_kv_heads=num_kv_heads or num_heads, head_size=head_size,
                                   scale=scale, sliding_window=sliding_window,
-                                  logits_soft_cap=logits_soft_cap)
+                                  logits_soft_cap=logits_soft_cap, sinks=sinks is not None)
+        self._sinks = (sinks,)  # a tuple: the model owns (and loads) the parameter
         self.kv_cache: torch.Tensor | None = None
         self.layer_index = -1  # position among the model's attention layers, set by the runner
+        self.kv_group = 0  # its KV cache group (block tables it reads), set by the runner
         # Per-layer scales of a quantized (fp8) KV cache: {"k_scale": t, "v_scale": t}, float32
         # 0-dim tensors on the cache's device; cache = k / k_scale, read back as cache * k_scale.
         # From the checkpoint when it has them (load_kv_cache_scale), else 1.0.
         self.kv_scales: dict | None = None
+
+    @property
+    def sinks(self) -> torch.Tensor | None:
+        return self._sinks[0]
 
     def bind_kv_cache(self, cache: torch.Tensor) -> None:
         self.kv_cache = cache
@@ -75,4 +85,4 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         backend = ctx.backends[self.kind]
-        return backend.forward(self, q, k, v, self.kv_cache, ctx.metadata_for(self.kind))
+        return backend.forward(self, q, k, v, self.kv_cache, ctx.metadata_for(self.kind, self.kv_group))

@@ -27,6 +27,11 @@ Quantization: ``quant_config.get_moe_method(layer, prefix)`` may return a
 creates get ``FusedMoE.weight_loader`` unless the method sets its own ``weight_loader``
 with the same signature.
 
+Expert biases (``has_bias``, GPT-OSS): ``w13_bias`` [E_local, 2 * I_p] (this rank's gate then
+up slice) and ``w2_bias`` [E_local, H], added to each expert's projections (the down bias by
+tensor-parallel rank 0 only, so the all-reduce adds it once). Only quant methods that declare
+``supports_bias`` take them.
+
 Each layer adds its per-expert token counts (one per (token, chosen expert) pair, padding
 rows of captured graphs excluded) to ``ForwardContext.expert_counts[prefix]``; the engine
 sums them per layer for ``LLM.get_stats()["expert_load"]``.
@@ -47,7 +52,8 @@ from pagoda.layers.linear import check_shape, set_weight_attrs
 from pagoda.layers.moe_routing import Routing
 
 # HF hidden_act -> the activation name the fused_moe op takes
-MOE_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+MOE_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
+                   "swigluoai": "swigluoai"}
 
 
 def pair_weights(ctx, shape: torch.Size, device: torch.device) -> torch.Tensor:
@@ -71,6 +77,8 @@ def pair_weights(ctx, shape: torch.Size, device: torch.device) -> torch.Tensor:
 class FusedMoEMethod:
     """How a FusedMoE layer holds and applies its experts' weights (subclass for quantized experts)."""
 
+    supports_bias = False  # whether apply() adds layer.w13_bias / layer.w2_bias
+
     def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int,
                        intermediate_size_per_partition: int, params_dtype: torch.dtype) -> None:
         raise NotImplementedError
@@ -88,6 +96,8 @@ class FusedMoEMethod:
 class UnquantizedFusedMoEMethod(FusedMoEMethod):
     """Experts in the model dtype, computed by the selected ``fused_moe`` op."""
 
+    supports_bias = True
+
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype):
         w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size_per_partition, hidden_size,
                                        dtype=params_dtype), requires_grad=False)
@@ -97,7 +107,10 @@ class UnquantizedFusedMoEMethod(FusedMoEMethod):
         layer.register_parameter("w2_weight", w2)
 
     def apply(self, layer, x, topk_weights, topk_ids):
-        return get_op("fused_moe")(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, layer.activation)
+        if layer.w13_bias is None:
+            return get_op("fused_moe")(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, layer.activation)
+        return get_op("fused_moe")(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, layer.activation,
+                                   w13_bias=layer.w13_bias, w2_bias=layer.w2_bias if layer.moe_tp_rank == 0 else None)
 
 
 def expert_params_mapping(num_experts: int, gate: str = "gate_proj", up: str = "up_proj",
@@ -123,7 +136,7 @@ class FusedMoE(nn.Module):
 
     def __init__(self, routing: Routing, hidden_size: int, intermediate_size: int, activation: str = "silu",
                  reduce_results: bool = True, quant_config: QuantConfig | None = None, prefix: str = "",
-                 params_dtype: torch.dtype | None = None):
+                 params_dtype: torch.dtype | None = None, has_bias: bool = False):
         super().__init__()
         if activation not in MOE_ACTIVATIONS:
             raise ModelLoadError(f"config hidden_act={activation!r} is not supported for MoE experts "
@@ -149,6 +162,15 @@ class FusedMoE(nn.Module):
         self.quant_method: FusedMoEMethod = method or UnquantizedFusedMoEMethod()
         self.quant_method.create_weights(self, self.num_local_experts, hidden_size,
                                          self.intermediate_size_per_partition, self.params_dtype)
+        self.w13_bias = self.w2_bias = None
+        if has_bias:
+            if not self.quant_method.supports_bias:
+                raise ModelLoadError(f"{prefix}: experts with biases are not supported by the quantization method "
+                                     f"{type(self.quant_method).__name__}")
+            self.w13_bias = nn.Parameter(torch.zeros(self.num_local_experts, 2 * self.intermediate_size_per_partition,
+                                                     dtype=self.params_dtype), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.zeros(self.num_local_experts, hidden_size, dtype=self.params_dtype),
+                                        requires_grad=False)
         for param in self.parameters(recurse=False):
             if not hasattr(param, "weight_loader"):
                 set_weight_attrs(param, weight_loader=self.weight_loader)
@@ -181,6 +203,10 @@ class FusedMoE(nn.Module):
         target = param.data[local]
         if target.dim() == 0:  # one scalar per expert (per-tensor scales)
             target.copy_(loaded.reshape(()))
+            return
+        if param is self.w2_bias and shard_id == "w2":  # [H]: whole on every rank
+            check_shape(target, loaded, f"{self.prefix} (expert {expert_id}, down bias)")
+            target.copy_(loaded)
             return
         if shard_id in ("w1", "w3"):
             rows = target.shape[0] // 2

@@ -56,9 +56,10 @@ def capture_attention(llm, token_ids: list[int]) -> AttentionCapture:
         from pagoda.engine.inputs import build_step_inputs
 
         out = SchedulerOutput([ScheduledSeq(seq, n, True)], 0, n)
-        inputs = build_step_inputs(out, engine.config.block_size, runner.device)
+        inputs = build_step_inputs(out, engine.config.block_size, runner.device,
+                                   num_groups=runner.kv_layout.num_groups)
         ctx = prepared_context(inputs.meta, runner.backends, token_seq_lens=inputs.token_seq_lens,
-                               attention_probe=probe)
+                               attention_probe=probe, group_tables=inputs.group_tables)
         with torch.inference_mode(), set_forward_context(ctx):
             runner.model(inputs.input_ids, inputs.positions)
     finally:

@@ -137,6 +137,50 @@ def assert_greedy_matches(directory: str | Path, prompts: list[list[int]], max_t
     return llm
 
 
+# ---------------------------------------------------------------------------- prefix cache
+def check_prefix_cache(directory: str | Path, prefix: list[int], tails: list[list[int]], max_tokens: int = 16,
+                       hf_model=None, engine: dict | None = None) -> tuple[CheckResult, Any]:
+    """Greedy tokens of ``prefix + tail`` for each tail with prefix caching on: the first prompt
+    alone computes the prefix, then the others, generated together in chunks, read its full
+    blocks from the cache. Every output must equal transformers' (one prompt at a time), the
+    cache must have served each later prompt the prefix's full blocks, and every block must be
+    free at the end. Returns (result, the LLM)."""
+    from pagoda import LLM, SamplingParams
+
+    prompts = [prefix + tail for tail in tails]
+    expected = hf_greedy_tokens(directory, prompts, max_tokens, model=hf_model)
+    settings = dict(block_size=BLOCK_SIZE, max_num_batched_tokens=STEP_TOKENS, enable_prefix_caching=True,
+                    num_kv_blocks=4 * len(prompts) * (-(-(max(map(len, prompts)) + max_tokens) // BLOCK_SIZE)),
+                    **(engine or {}))
+    llm = LLM(model=str(directory), **{"device": "cpu", "dtype": "float32", **settings})
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params)
+    stats = llm.get_stats()
+    block = settings["block_size"]
+    wanted_hits = (len(prompts) - 1) * (len(prefix) // block * block)
+    metrics = {"prefix_cache_hit_tokens": stats["prefix_cache_hit_tokens"], "expected_at_least": wanted_hits,
+               "engine": settings}
+    problems = [f"prompt {i} differs: pagoda {o.outputs[0].token_ids[:8]} transformers {ref[:8]}"
+                for i, (o, ref) in enumerate(zip(outs, expected)) if o.outputs[0].token_ids != ref]
+    if stats["prefix_cache_hit_tokens"] < wanted_hits:
+        problems.append(f"the prefix cache served {stats['prefix_cache_hit_tokens']} tokens, expected at least "
+                        f"{wanted_hits} ({len(prompts) - 1} prompts x the prefix's full blocks)")
+    if stats["kv_blocks_used"] != 0:
+        problems.append(f"{stats['kv_blocks_used']} KV blocks still in use after every request finished")
+    if problems:
+        return CheckResult("prefix_cache", False, "; ".join(problems), metrics), llm
+    return CheckResult("prefix_cache", True, f"{len(prompts)} prompts identical; {stats['prefix_cache_hit_tokens']} "
+                                             f"prompt tokens read from the cache", metrics), llm
+
+
+def assert_prefix_cache_matches(directory: str | Path, prefix: list[int], tails: list[list[int]],
+                                max_tokens: int = 16, hf_model=None, engine: dict | None = None):
+    """``check_prefix_cache`` as a pytest assertion; returns the LLM."""
+    result, llm = check_prefix_cache(directory, prefix, tails, max_tokens, hf_model, engine)
+    result.assert_passed()
+    return llm
+
+
 # ---------------------------------------------------------------------------- weights
 def checkpoint_tensor_names(directory: str | Path) -> list[str]:
     from safetensors import safe_open

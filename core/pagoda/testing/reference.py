@@ -95,6 +95,11 @@ def load_reference_model(directory: str | Path, model_type: str | None = None):
         fields = json.loads((Path(directory) / "config.json").read_text())
         fields.pop("model_type", None)
         kwargs["config"] = CONFIG_MAPPING[model_type].from_dict(fields)
+    import json
+
+    saved = json.loads((Path(directory) / "config.json").read_text())
+    if saved.get("attn_logit_softcapping"):  # transformers' SDPA path drops the soft-cap: its eager path is the math
+        kwargs["attn_implementation"] = "eager"
     model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32, **kwargs)
     model.eval()
     return model

@@ -22,8 +22,8 @@ MAX_POSITIONS = 256
 ORIGINAL_POSITIONS = 64  # rope scalings switch inside the prompts the checks use
 WINDOW = 24
 # Keys that only make sense at the original size or that config classes recompute.
-DERIVED = ("layer_types", "qk_head_dim", "transformers_version", "_name_or_path", "dtype", "torch_dtype",
-           "auto_map", "quantization_config", "id2label", "label2id")
+DERIVED = ("layer_types", "mlp_layer_types", "qk_head_dim", "transformers_version", "_name_or_path", "dtype",
+           "torch_dtype", "auto_map", "quantization_config", "id2label", "label2id")
 # size fields of MoE configs (any spelling transformers uses) -> their tiny values
 EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
 
@@ -126,6 +126,8 @@ def shrink_config(source: dict, mha: bool | None = None) -> dict:
         out.update(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12)
         if source.get("q_lora_rank") is not None:
             out["q_lora_rank"] = 32
+        if source.get("index_head_dim"):  # DeepSeek sparse attention: a top-k smaller than the prompts
+            out.update(index_head_dim=16, index_n_heads=8, index_topk=min(int(source.get("index_topk") or 16), 16))
         head_dim = 8
     elif source.get("head_dim"):
         explicit = source["head_dim"] * heads != source.get("hidden_size")
@@ -183,7 +185,12 @@ def variants_for_architecture(architecture: str, model_class: Any = None) -> lis
     model_type = reference_model_type(architecture, model_class)
     defaults = default_config_dict(model_type)
     saved = plugin_model_type(model_class)
-    if "sliding_window" in defaults:  # the first variants run without a window, "window" with one
+    # models whose layer_types mix sliding-window and global layers (Gemma, GPT-OSS) need a window
+    # in their config: the first variants make every layer global, "window" alternates the two
+    layered = isinstance(defaults.get("layer_types"), list) and "sliding_attention" in defaults["layer_types"]
+    if layered:
+        defaults = dict(defaults, sliding_window=WINDOW)
+    elif "sliding_window" in defaults:  # the first variants run without a window, "window" with one
         defaults = dict(defaults, sliding_window=None)
     explicit_head_dim = "head_dim" in defaults and defaults.get("kv_lora_rank") is None
     variants = []
@@ -198,8 +205,13 @@ def variants_for_architecture(architecture: str, model_class: Any = None) -> lis
         variants.append(TinyVariant("gqa", model_type, architecture, gqa, saved))
         variants.append(TinyVariant("mha-tied", model_type, architecture,
                                     dict(shrink_config(defaults, mha=True), tie_word_embeddings=True), saved))
+    if layered:  # shrink_config keeps only a real mix of layer types
+        for variant in variants:
+            variant.fields["layer_types"] = ["full_attention"] * LAYERS
     if "sliding_window" in defaults:
         window = dict(shrink_config(defaults, mha=False), sliding_window=WINDOW)
+        if layered:
+            window["layer_types"] = ["sliding_attention", "full_attention"]
         if "use_sliding_window" in defaults:
             window.update(use_sliding_window=True, max_window_layers=1)
         variants.append(TinyVariant("window", model_type, architecture, window, saved))
@@ -275,10 +287,11 @@ def write_variant(variant: TinyVariant, directory: str | Path, seed: int = 0) ->
 def expected_kv_bytes_per_token(hf_config, element_size: int) -> int:
     """KV cache bytes one token takes in all layers, as the architecture implies: K and V of
     every KV head (grouped-query attention), or one latent of kv_lora_rank + qk_rope_head_dim
-    values (MLA)."""
+    values (MLA; plus the indexer's index_head_dim key with DeepSeek sparse attention)."""
     layers = hf_config.num_hidden_layers
-    if getattr(hf_config, "kv_lora_rank", None):
-        return layers * (hf_config.kv_lora_rank + hf_config.qk_rope_head_dim) * element_size
+    if getattr(hf_config, "kv_lora_rank", None):  # DeepSeek sparse attention caches the index key too
+        index = getattr(hf_config, "index_head_dim", 0) or 0
+        return layers * (hf_config.kv_lora_rank + hf_config.qk_rope_head_dim + index) * element_size
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads

@@ -140,6 +140,39 @@ def bench_mla_decode(rows: list, batch: int, ctx: int, sweep: bool, heads: int =
                nbytes=nbytes, flops=flops)
 
 
+def bench_sparse_mla(rows: list, batch: int, ctx: int, sweep: bool, heads: int = 128, lora: int = 512,
+                     rope: int = 64, index_heads: int = 64, index_dim: int = 128, topk: int = 2048) -> None:
+    """DeepSeek-V3.2's sparse attention decode: the indexer logits over the whole context, the
+    top-2048, and MLA over the chosen tokens (the chosen tile and, with ``sweep``, others)."""
+    from pagoda_cuda.attention.sparse_mla import index_logits, sparse_mla, sparse_mla_config
+
+    blocks = batch * (-(-ctx // 64))
+    cache = torch.randn(blocks, 64, lora + rope + index_dim, device="cuda", dtype=torch.bfloat16)
+    tables = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(batch, -1)
+    seq_of = torch.arange(batch, device="cuda", dtype=torch.int32)
+    pos = torch.full((batch,), ctx - 1, device="cuda", dtype=torch.int32)
+    iq = torch.randn(batch, index_heads, index_dim, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(batch, index_heads, device="cuda")
+    shape = f"B{batch} ctx{ctx} h{heads} top{topk}"
+    _timed(rows, "sparse mla indexer", shape, None,
+           lambda: index_logits(iq, w, cache, tables, seq_of, pos, ctx, lora + rope),
+           nbytes=batch * ctx * index_dim * 2, flops=2 * batch * ctx * index_heads * index_dim)
+    logits = index_logits(iq, w, cache, tables, seq_of, pos, ctx, lora + rope)
+    _timed(rows, "sparse mla top-k", shape, None, lambda: logits.topk(topk, dim=-1), nbytes=logits.numel() * 4)
+    chosen = logits.topk(topk, dim=-1).indices
+    q_lat = torch.randn(batch, heads, lora, device="cuda", dtype=torch.bfloat16)
+    q_pe = torch.randn(batch, heads, rope, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q_lat)
+    configs = [sparse_mla_config(lora)]
+    if sweep:
+        configs += [(16, 32, 4, 2), (32, 64, 4, 2), (64, 32, 8, 2), (32, 32, 8, 2), (32, 16, 4, 2)]
+    for cfg in dict.fromkeys(configs):
+        _timed(rows, "sparse mla attention", shape, cfg,
+               lambda cfg=cfg: sparse_mla(q_lat, q_pe, cache, tables, seq_of, chosen, out, 0.1, config=cfg),
+               nbytes=batch * topk * (lora + rope) * 2 * -(-heads // cfg[0]),
+               flops=2 * batch * heads * topk * (2 * lora + rope))
+
+
 def bench_mla_prefill(rows: list, seqs: int, length: int, sweep: bool, heads: int = 128, nope: int = 128,
                       rope: int = 64, v: int = 128) -> None:
     """DeepSeek-V3's prefill attention over the expanded latents (keys P + R = 192 wide from two
@@ -310,7 +343,7 @@ def main(argv=None) -> int:
     parser.add_argument("--install-tuned", action="store_true", help="with --tune-moe: also install the table "
                         "into this package's configs/ (used from then on)")
     parser.add_argument("--only", help="comma-separated prefixes of the sections to time (e.g. decode, "
-                        "decode:qwen3-30b-a3b, prefill, mla, moe, small, gemm); default: all")
+                        "decode:qwen3-30b-a3b, prefill, mla, sparse-mla, moe, small, gemm); default: all")
     args = parser.parse_args(argv)
     rows: list[dict] = []
     steps = []
@@ -332,6 +365,8 @@ def main(argv=None) -> int:
         ("mla:decode", lambda: bench_mla_decode(rows, 256, 520, sweep)),  # deepseek-v3-4l decode
         ("mla:decode-640", lambda: bench_mla_decode(rows, 256, 640, sweep)),
         ("mla:prefill", lambda: bench_mla_prefill(rows, 16, 512, sweep)),
+        ("sparse-mla:decode", lambda: bench_sparse_mla(rows, 256, 4096, sweep)),  # deepseek-v3.2 decode
+        ("sparse-mla:decode-32k", lambda: bench_sparse_mla(rows, 32, 32768, False)),
         ("moe:qwen3-30b-a3b", lambda: bench_moe(rows, 256, 2048, 768, 128, 8, (1, 4))),  # decode
         ("moe:qwen3-30b-a3b-prefill", lambda: bench_moe(rows, 8192, 2048, 768, 128, 8, (1, 4, 16))),
         ("moe:deepseek-v3-4l-prefill", lambda: bench_moe(rows, 8192, 7168, 2048, 256, 8, (1, 4, 16))),

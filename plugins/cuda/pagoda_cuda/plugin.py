@@ -13,6 +13,8 @@ from pagoda import hookimpl
 KERNELS = {
     "rms_norm": "pagoda_cuda.ops.norm:rms_norm",
     "fused_add_rms_norm": "pagoda_cuda.ops.norm:fused_add_rms_norm",
+    "rms_norm_offset": "pagoda_cuda.ops.norm:rms_norm_offset",
+    "fused_add_rms_norm_offset": "pagoda_cuda.ops.norm:fused_add_rms_norm_offset",
     "rotary_embedding": "pagoda_cuda.ops.rotary:rotary_embedding",
     "qk_norm_rotary": "pagoda_cuda.ops.rotary:qk_norm_rotary",
     "silu_and_mul": "pagoda_cuda.ops.activation:silu_and_mul",
@@ -36,9 +38,11 @@ def register_platforms(register):
 def register_attention_backends(register):
     from pagoda_cuda.attention.backend import TritonPagedAttention
     from pagoda_cuda.attention.mla_backend import TritonMLAAttention
+    from pagoda_cuda.attention.sparse_mla_backend import TritonSparseMLAAttention
 
     register(TritonPagedAttention())
     register(TritonMLAAttention())
+    register(TritonSparseMLAAttention())
 
 
 @hookimpl

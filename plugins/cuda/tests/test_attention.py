@@ -16,6 +16,7 @@ GPU = pytest.mark.gpu
 class FakeLayer:
     spec: AttentionSpec
     kv_scales: dict | None = None
+    sinks: torch.Tensor | None = None
 
 
 def make_batch(device, dtype, seqs, nq, nk, hs, block_size, seed=0, pad_to=None):
@@ -60,10 +61,10 @@ def make_batch(device, dtype, seqs, nq, nk, hs, block_size, seed=0, pad_to=None)
     return q, k, v, cache, meta
 
 
-def run_both(q, k, v, cache, meta, spec, rows=None, kv_scales=None):
+def run_both(q, k, v, cache, meta, spec, rows=None, kv_scales=None, sinks=None):
     from pagoda_cuda.attention.backend import TritonPagedAttention
 
-    layer = FakeLayer(spec, kv_scales)
+    layer = FakeLayer(spec, kv_scales, sinks)
     backend = TritonPagedAttention()
     # the backend keeps head-major pages: [2, blocks, nk, block, hs] in memory
     stored = cache.transpose(2, 3).contiguous()
@@ -78,11 +79,12 @@ def run_both(q, k, v, cache, meta, spec, rows=None, kv_scales=None):
     return ours[rows], want[rows], ours_cache, ref_cache
 
 
-def check(device, dtype, seqs, nq, nk, hs, block_size, window=None, cap=None, pad_to=None, seed=0):
+def check(device, dtype, seqs, nq, nk, hs, block_size, window=None, cap=None, pad_to=None, seed=0, sinks=False):
     q, k, v, cache, meta = make_batch(device, dtype, seqs, nq, nk, hs, block_size, seed, pad_to)
-    spec = AttentionSpec("mha", nq, nk, hs, hs ** -0.5, sliding_window=window, logits_soft_cap=cap)
+    spec = AttentionSpec("mha", nq, nk, hs, hs ** -0.5, sliding_window=window, logits_soft_cap=cap, sinks=sinks)
+    sink_logits = (2 * torch.randn(nq, generator=torch.Generator().manual_seed(seed))).to(device) if sinks else None
     real = sum(n for _, n in seqs)
-    ours, want, ours_cache, ref_cache = run_both(q, k, v, cache, meta, spec, rows=slice(0, real))
+    ours, want, ours_cache, ref_cache = run_both(q, k, v, cache, meta, spec, rows=slice(0, real), sinks=sink_logits)
     assert torch.equal(ours_cache, ref_cache)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(ours.float(), want.float(), atol=tol, rtol=tol)
@@ -102,6 +104,43 @@ def test_head_size_96_no_gqa_and_odd_block(device):
 
 def test_sliding_window_and_soft_cap(device):
     check(device, torch.float32, MIXED, 4, 1, 16, 8, window=11, cap=5.0)
+
+
+@pytest.mark.parametrize("window", [None, 11])
+def test_attention_sinks(device, window):
+    """GPT-OSS's per-head sink logits in the denominator: decodes, prefill chunks, a window."""
+    check(device, torch.float32, MIXED, 4, 2, 16, 8, window=window, sinks=True)
+
+
+def test_attention_sinks_with_decode_splits(device):
+    """The sink joins the merge of the split decode, not each split."""
+    from pagoda_cuda.attention.decode import paged_decode
+
+    q, k, v, cache, meta = make_batch(device, torch.float32, [(150, 1), (1, 1), (64, 1)], 4, 2, 32, 8, seed=3)
+    spec = AttentionSpec("mha", 4, 2, 32, 32 ** -0.5, sinks=True)
+    sinks = torch.tensor([0.5, -1.0, 3.0, 0.0], device=device)
+    with set_forward_context(ForwardContext(attn_metadata=meta, backends={})):
+        want = TorchPagedAttention().forward(FakeLayer(spec, sinks=sinks), q, k, v, cache, meta)  # stores k, v
+    for splits in (1, 4):
+        out = torch.empty(3, 4, 32, device=device)
+        paged_decode(q.view(3, 4, 32), cache[0], cache[1], meta.block_tables, meta.seq_lens, out, 32 ** -0.5,
+                     splits, sinks=sinks)
+        torch.testing.assert_close(out.view(3, -1), want, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_never_reads_keys_outside_every_window(device):
+    """Blocks that left every window may be freed and reused: non-finite values in them must
+    not reach the output (the reference gathers from the window's first block only)."""
+    seqs = [(40, 1), (37, 12)]
+    q, k, v, cache, meta = make_batch(device, torch.float32, seqs, 4, 2, 16, 8, seed=4)
+    for i, (ctx, _) in enumerate(seqs):  # poison every block before the first one in a window
+        first = max(0, ctx - 9 + 1) // 8
+        for b in meta.block_tables[i, :first].tolist():
+            cache[:, b] = float("nan")
+    spec = AttentionSpec("mha", 4, 2, 16, 0.25, sliding_window=9)
+    ours, want, _, _ = run_both(q, k, v, cache, meta, spec)
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(ours, want, atol=1e-4, rtol=1e-4)
 
 
 def test_graph_metadata_with_padding_rows(device):
@@ -188,6 +227,21 @@ def test_real_shapes_mixed(device, shape):
     nq, nk, hs = shape
     seqs = [(600 + 13 * i, 1) for i in range(64)] + [(0, 512), (700, 300), (31, 97)]
     check(device, torch.bfloat16, seqs, nq, nk, hs, 16)
+
+
+@GPU
+@pytest.mark.parametrize("window", [None, 128])
+def test_real_shapes_gpt_oss_sinks(device, window):
+    """gpt-oss-20b's attention: 64 query heads over 8 KV heads of 64, sinks, window 128 or global."""
+    seqs = [(600 + 13 * i, 1) for i in range(64)] + [(0, 512), (700, 300)]
+    check(device, torch.bfloat16, seqs, 64, 8, 64, 16, window=window, sinks=True)
+
+
+@GPU
+def test_real_shapes_gemma3_window(device):
+    """Gemma 3 1B's window layers: 4 query heads over one KV head of 256, window 512."""
+    seqs = [(900 + 7 * i, 1) for i in range(64)] + [(0, 700), (1200, 300)]
+    check(device, torch.bfloat16, seqs, 4, 1, 256, 16, window=512)
 
 
 @GPU

@@ -43,8 +43,15 @@ def replay_cpu(device):
     entry.obj = original
 
 
-def test_graph_decode_matches_transformers(tmp_path, replay_cpu):
-    path = make_tiny_checkpoint("qwen3", tmp_path, seed=2, **TINY)
+GEMMA3 = dict(TINY, head_dim=32, sliding_window=10, query_pre_attn_scalar=24,
+              layer_types=["sliding_attention", "full_attention"])
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text"])
+def test_graph_decode_matches_transformers(tmp_path, replay_cpu, model_type):
+    """gemma3_text: window layers with their own block tables (KV cache groups) in the graphs'
+    buffers, released entries never rewritten."""
+    path = make_tiny_checkpoint(model_type, tmp_path, seed=2, **(GEMMA3 if model_type == "gemma3_text" else TINY))
     prompts = random_prompts(6, 320, 4, 40, seed=11)
     want = hf_greedy_tokens(path, prompts, 16)
     # 12 blocks of 8 tokens cannot hold six sequences of up to 56 tokens: preemption happens,

@@ -27,20 +27,28 @@ def test_rms_norm_of_a_heads_view_into_a_fused_projection(device):
     close(out, ref.rms_norm(k.contiguous(), w, 1e-6), torch.float32)
 
 
-def _norm_case(device, dtype, rows, hidden, residual):
-    from pagoda_cuda.ops.norm import fused_add_rms_norm, rms_norm
+def _norm_case(device, dtype, rows, hidden, residual, offset=None):
+    from pagoda_cuda.ops.norm import fused_add_rms_norm, fused_add_rms_norm_offset, rms_norm, rms_norm_offset
 
     gen = torch.Generator().manual_seed(rows * 7 + hidden)
     wide = torch.randn(rows, hidden + 8, generator=gen).to(device, dtype)
     x = wide[:, 3:hidden + 3]  # a strided view, as q/k slices of a fused projection are
     w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(device, dtype)
+    if offset is not None:  # Gemma's (1 + w) with w near 0 (offset 1); float32 weights (offset 0)
+        w = (0.1 * torch.randn(hidden, generator=gen)).to(device, dtype if offset else torch.float32)
     if residual:
         r = torch.randn(rows, hidden, generator=gen).to(device, dtype)
-        out, summed = fused_add_rms_norm(x, r, w, 1e-6)
-        want_out, want_sum = ref.fused_add_rms_norm(x, r, w, 1e-6)
+        if offset is None:
+            out, summed = fused_add_rms_norm(x, r, w, 1e-6)
+            want_out, want_sum = ref.fused_add_rms_norm(x, r, w, 1e-6)
+        else:
+            out, summed = fused_add_rms_norm_offset(x, r, w, 1e-6, offset)
+            want_out, want_sum = ref.fused_add_rms_norm_offset(x, r, w, 1e-6, offset)
         close(summed, want_sum, dtype)
-    else:
+    elif offset is None:
         out, want_out = rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6)
+    else:
+        out, want_out = rms_norm_offset(x, w, 1e-6, offset), ref.rms_norm_offset(x, w, 1e-6, offset)
     assert out.dtype == want_out.dtype and out.shape == want_out.shape
     close(out, want_out, dtype)
 
@@ -50,6 +58,14 @@ def _norm_case(device, dtype, rows, hidden, residual):
 def test_rms_norm(device, dtype, residual):
     _norm_case(device, dtype, 5, 48, residual)
     _norm_case(device, dtype, 37, 16, residual)  # several rows per program
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("offset", [1.0, 0.0])
+def test_rms_norm_offset(device, dtype, residual, offset):
+    _norm_case(device, dtype, 5, 48, residual, offset)
+    _norm_case(device, dtype, 37, 16, residual, offset)
 
 
 def _rotary_case(device, dtype, tokens, nq, nk, head, rotary_dim, neox, rope):
@@ -164,7 +180,7 @@ def test_store_kv_cache_fp8_with_scales(device):
 
 
 def _moe_case(device, dtype, tokens, hidden, inner, experts, topk, activation="silu", with_invalid=False,
-              config=None, weight_tma=None):
+              config=None, weight_tma=None, bias=False):
     from pagoda_cuda.ops.moe import fused_moe
 
     gen = torch.Generator().manual_seed(tokens + experts)
@@ -175,9 +191,15 @@ def _moe_case(device, dtype, tokens, hidden, inner, experts, topk, activation="s
     weights, ids = torch.softmax(logits, -1).topk(topk, dim=-1)
     if with_invalid:  # expert parallelism maps experts held elsewhere to -1
         ids[::3, 0] = -1
+    biases = {}
+    if bias:
+        biases = dict(w13_bias=torch.randn(experts, 2 * inner, generator=gen).to(device, dtype),
+                      w2_bias=torch.randn(experts, hidden, generator=gen).to(device, dtype))
+    if activation == "swigluoai" and dtype == torch.float32:  # reach both clamps (exact products only: the
+        w13 = w13 * 8  # bf16 GEMMs of the kernel and the reference round differently at these magnitudes)
     got = fused_moe(x, w13, w2, weights.to(device), ids.to(device), activation, config=config,
-                    weight_tma=weight_tma)
-    want = ref.fused_moe(x, w13, w2, weights.to(device), ids.to(device), activation)
+                    weight_tma=weight_tma, **biases)
+    want = ref.fused_moe(x, w13, w2, weights.to(device), ids.to(device), activation, **biases)
     close(got, want, dtype, scale=2.0)
 
 
@@ -188,6 +210,12 @@ def test_fused_moe(device, dtype):
 
 def test_fused_moe_gelu(device):
     _moe_case(device, torch.float32, 5, 16, 16, 3, 2, activation="gelu_tanh")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_swigluoai_with_biases(device, dtype):
+    """GPT-OSS experts: biases on both projections, the clamped SwiGLU, experts of other ranks."""
+    _moe_case(device, dtype, 9, 32, 24, 4, 2, activation="swigluoai", with_invalid=True, bias=True)
 
 
 @pytest.mark.parametrize("group_m", [1, 5])
@@ -229,6 +257,14 @@ def test_norm_real_shapes(device, hidden):
 
 
 @GPU
+def test_norm_offset_real_shapes(device):
+    for residual in (False, True):
+        _norm_case(device, torch.bfloat16, 256, 1152, residual, offset=1.0)  # Gemma 3 1B
+        _norm_case(device, torch.bfloat16, 256, 2880, residual, offset=0.0)  # GPT-OSS-20B
+    _norm_case(device, torch.bfloat16, 256 * 4, 256, False, offset=1.0)  # Gemma 3's q/k norms
+
+
+@GPU
 def test_rotary_real_shapes(device):
     _rotary_case(device, torch.bfloat16, 300, 16, 8, 128, 128, True, None)
     _rotary_case(device, torch.bfloat16, 300, 32, 32, 96, 96, True, None)
@@ -261,6 +297,13 @@ def test_fused_moe_real_shapes(device, tokens):
     for weight_tma in (False, True):
         _moe_case(device, torch.bfloat16, tokens, 2048, 768, 128, 8, with_invalid=tokens == 256,
                   weight_tma=weight_tma)
+
+
+@GPU
+@pytest.mark.parametrize("tokens", [256, 2048])
+def test_fused_moe_gpt_oss_real_shape(device, tokens):
+    """gpt-oss-20b's experts: 32 of 2880 x 2880, top-4, biases, the clamped SwiGLU."""
+    _moe_case(device, torch.bfloat16, tokens, 2880, 2880, 32, 4, activation="swigluoai", bias=True)
 
 
 @pytest.mark.parametrize("tokens,experts,top_k,renormalize,scaling", [

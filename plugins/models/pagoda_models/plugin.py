@@ -11,6 +11,11 @@ ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "pagoda_models.qwen2_moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "pagoda_models.qwen3_moe:Qwen3MoeForCausalLM",
     "DeepseekV3ForCausalLM": "pagoda_models.deepseek_v3:DeepseekV3ForCausalLM",
+    "DeepseekV32ForCausalLM": "pagoda_models.deepseek_v32:DeepseekV32ForCausalLM",
+    "Gemma2ForCausalLM": "pagoda_models.gemma2:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "pagoda_models.gemma3:Gemma3ForCausalLM",
+    "MixtralForCausalLM": "pagoda_models.mixtral:MixtralForCausalLM",
+    "GptOssForCausalLM": "pagoda_models.gpt_oss:GptOssForCausalLM",
 }
 
 

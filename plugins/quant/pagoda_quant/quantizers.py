@@ -147,4 +147,22 @@ class GgufQuantizer(Quantizer):
         return GgufConfig()
 
 
-QUANTIZERS = (Fp8Quantizer, Int4Quantizer, GptqQuantizer, AwqQuantizer, MixedQuantizer, GgufQuantizer)
+class Mxfp4Config(QuantConfig):
+    """MXFP4 checkpoints (GPT-OSS): linear layers are stored in full precision
+    (``modules_to_not_convert``) and the experts as MXFP4 blocks, which the model dequantizes at
+    load (``pagoda.loader.mxfp4``) into unquantized experts: no method per layer."""
+
+    name = "mxfp4"
+
+
+class Mxfp4Quantizer(_CheckpointOnly):
+    name = "mxfp4"
+    description = ("MXFP4 expert weights of GPT-OSS checkpoints, dequantized to the model dtype at load (no MXFP4 "
+                   "kernel yet: they take bf16 memory)")
+
+    def from_checkpoint(self, cfg: dict) -> QuantConfig:
+        return Mxfp4Config()
+
+
+QUANTIZERS = (Fp8Quantizer, Int4Quantizer, GptqQuantizer, AwqQuantizer, MixedQuantizer, GgufQuantizer,
+              Mxfp4Quantizer)

@@ -33,6 +33,7 @@ class TritonPagedAttention(AttentionBackend):
     kinds = ("mha",)
     dtypes = ("float32", "float16", "bfloat16")
     supports_graphs = True
+    supports_sinks = True
     min_head_size, max_head_size = 16, 256
 
     def supports(self, platform: str, dtype: str, spec: AttentionSpec) -> str | None:
@@ -89,14 +90,15 @@ class TritonPagedAttention(AttentionBackend):
         data = meta.backend_data if isinstance(meta.backend_data, TritonStepData) else TritonStepData()
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         nd = meta.num_decodes
+        sinks = layer.sinks if spec.sinks else None
         if nd:
             paged_decode(q3[:nd], k_cache, v_cache, meta.block_tables, meta.seq_lens, out[:nd], spec.scale,
                          self._splits(meta, data, nk, q.device), spec.sliding_window, spec.logits_soft_cap,
-                         kv_scales=scales)
+                         kv_scales=scales, sinks=sinks)
         if meta.num_seqs > nd:
             if meta.for_graph:
                 raise RuntimeError("the triton backend captures decode-only batches; this one has prefills")
             tiles = device_tile_map(data.tile_maps, meta.query_start_loc_cpu, nd, prefill_config(hs)[0], q.device)
             paged_prefill(q3, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, tiles,
-                          out, spec.scale, spec.sliding_window, spec.logits_soft_cap, kv_scales=scales)
+                          out, spec.scale, spec.sliding_window, spec.logits_soft_cap, kv_scales=scales, sinks=sinks)
         return out.view(t, nq * hs)

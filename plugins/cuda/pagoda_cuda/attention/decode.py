@@ -8,7 +8,9 @@ result plus its log-sum-exp; a second kernel merges the slices. The split count 
 only on the batch size (and a length hint), never on device values, so the launch can
 be captured in a CUDA graph. Each key tile goes through ``key_tile`` (shared with the prefill
 kernel; every row is the newest token). An fp8 cache is widened to fp16 for the dots (the queries too)
-and its per-layer scales multiply the scores and the output, not every element.
+and its per-layer scales multiply the scores and the output, not every element. Attention
+sinks (one logit per query head, GPT-OSS) join the softmax's denominator at the end: in the
+program's normalisation without splits, in the merge with them.
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _decode_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, stride_cs, stride_ch,
                    tables_ptr, stride_tb, stride_tn, seq_lens_ptr, out_ptr, stride_ot, stride_oh,
-                   part_out_ptr, part_lse_ptr, scale, soft_cap, window, k_scale_ptr, v_scale_ptr,
+                   part_out_ptr, part_lse_ptr, scale, soft_cap, window, k_scale_ptr, v_scale_ptr, sinks_ptr,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    USE_WINDOW: tl.constexpr, USE_CAP: tl.constexpr, UPCAST: tl.constexpr,
                    IEEE: tl.constexpr, HAS_SCALE: tl.constexpr, HEADS_ADJACENT: tl.constexpr,
-                   DOT_F16: tl.constexpr):
+                   DOT_F16: tl.constexpr, HAS_SINKS: tl.constexpr):
     if HEADS_ADJACENT:  # the KV heads of one sequence run side by side: together they read whole pages
         kvh = tl.program_id(0)
         b = tl.program_id(1)
@@ -83,6 +85,9 @@ def _decode_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, str
     if HAS_SCALE:
         acc = acc * v_scale
     if NUM_SPLITS == 1:
+        if HAS_SINKS:  # exp(sink) joins the denominator (log2 domain, like m_i)
+            sink = tl.load(sinks_ptr + heads, mask=hmask, other=0.0).to(tl.float32) * LOG2E
+            l_i = l_i + tl.exp2(sink - m_i)
         out = acc / l_i[:, None]
         tl.store(out_ptr + b.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & dmask[None, :])
@@ -99,8 +104,9 @@ def _decode_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, str
 
 
 @triton.jit
-def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh,
-                  HEAD: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, sinks_ptr,
+                  HEAD: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                  HAS_SINKS: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     num_heads = tl.num_programs(1)
@@ -110,9 +116,15 @@ def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh,
     base = (b * num_heads + h) * NUM_SPLITS
     lse = tl.load(part_lse_ptr + base + s, mask=smask, other=float("-inf"))
     top = tl.max(lse, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        top = tl.maximum(top, sink)
     w = tl.where(smask & (lse > float("-inf")), tl.exp2(lse - top), 0.0)
     parts = tl.load(part_out_ptr + (base + s)[:, None] * BLOCK_D + d[None, :], mask=smask[:, None], other=0.0)
-    out = tl.sum(parts * w[:, None], axis=0) / tl.sum(w, axis=0)
+    total = tl.sum(w, axis=0)
+    if HAS_SINKS:  # the sink's mass joins the denominator
+        total += tl.exp2(sink - top)
+    out = tl.sum(parts * w[:, None], axis=0) / total
     tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD)
 
 
@@ -149,12 +161,14 @@ def decode_config(head: int, group: int, fp8: bool = False) -> tuple[int, int, i
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, out: torch.Tensor, scale: float, num_splits: int,
                  sliding_window: int | None = None, soft_cap: float | None = None,
-                 config: tuple | None = None, kv_scales: dict | None = None) -> None:
+                 config: tuple | None = None, kv_scales: dict | None = None,
+                 sinks: torch.Tensor | None = None) -> None:
     """q [B, nq, D] (one token per sequence), caches [num_blocks, block_size, nk, D],
     block_tables [B, W] (any strides), seq_lens [B] int32 -> out [B, nq, D]. ``config``
     (BLOCK_N, num_warps, num_stages[, heads adjacent]) overrides ``decode_config`` (kernel
     sweeps); ``kv_scales``
-    ({"k_scale", "v_scale"} float32 0-dim): an fp8 cache holding k / k_scale."""
+    ({"k_scale", "v_scale"} float32 0-dim): an fp8 cache holding k / k_scale; ``sinks`` [nq]:
+    per-head sink logits."""
     b, nq, head = q.shape
     if b == 0:
         return
@@ -170,7 +184,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     common = dict(HAS_SCALE=bool(kv_scales), GROUP=group, BLOCK_H=block_h, HEAD=head, BLOCK_D=block_d,
                   BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits, USE_WINDOW=bool(sliding_window),
                   USE_CAP=bool(soft_cap), UPCAST=upcast, IEEE=ieee, HEADS_ADJACENT=bool(adjacent),
-                  DOT_F16=fp8 and not ieee, num_warps=num_warps, num_stages=num_stages)
+                  DOT_F16=fp8 and not ieee, HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         part_out = torch.empty((b, nq, num_splits, block_d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((b, nq, num_splits), dtype=torch.float32, device=q.device)
@@ -180,7 +194,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables, block_tables.stride(0), block_tables.stride(1), seq_lens, out, out.stride(0), out.stride(1),
         part_out, part_lse, float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
-        kv_scales["k_scale"] if kv_scales else seq_lens, kv_scales["v_scale"] if kv_scales else seq_lens, **common)
+        kv_scales["k_scale"] if kv_scales else seq_lens, kv_scales["v_scale"] if kv_scales else seq_lens,
+        sinks if sinks is not None else seq_lens, **common)
     if num_splits > 1:
-        _merge_kernel[(b, nq)](part_out, part_lse, out, out.stride(0), out.stride(1), HEAD=head, BLOCK_D=block_d,
-                               NUM_SPLITS=num_splits, BLOCK_S=max(2, next_pow2(num_splits)), num_warps=4)
+        _merge_kernel[(b, nq)](part_out, part_lse, out, out.stride(0), out.stride(1),
+                               sinks if sinks is not None else seq_lens, HEAD=head, BLOCK_D=block_d,
+                               NUM_SPLITS=num_splits, BLOCK_S=max(2, next_pow2(num_splits)),
+                               HAS_SINKS=sinks is not None, num_warps=4)

@@ -4,7 +4,10 @@ decode attention kernels (``prefill.py``, ``decode.py``).
 ``key_tile`` gathers BLOCK_N keys and values through the block table (a page index per key),
 scores them against the query rows, masks what a row may not see (MASKED: keys past ``hi``,
 after the row's position ``qpos``, outside its window) and updates (acc, m_i, l_i) in the
-exp2 domain. Tiles that every row sees whole skip the masking (MASKED=False).
+exp2 domain. Tiles that every row sees whole skip the masking (MASKED=False). With a window,
+keys that no row of the tile sees are not loaded at all: their blocks may have been freed and
+reused (``BlockManager`` releases blocks that left every window), and a masked score times a
+non-finite stale value would still poison the sum.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ def key_tile(acc, m_i, l_i, q, qr, n0, hi, qpos, window, table_row, stride_tn, k
     if MASKED:
         nmask = n < hi
         page = tl.load(table_row + (n // PAGE) * stride_tn, mask=nmask, other=0).to(tl.int64)
+        if USE_WINDOW:  # keys before the first row's window are seen by no row
+            nmask = nmask & (n > tl.min(qpos, axis=0) - window)
         kmask = nmask[:, None] & dmask[None, :]
         vmask = nmask[:, None] & dvmask[None, :]
     else:

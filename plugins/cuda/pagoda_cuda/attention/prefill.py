@@ -7,7 +7,8 @@ One program per (tile of BLOCK_M query tokens of one sequence, query head); the 
 listed on the host (``tile_map``: sequence index, first query token of the tile).
 Key tiles that every row of the query tile sees whole (before its first query, inside every
 row's window) skip the masking (``key_tile`` with MASKED=False); only the diagonal band and
-window-cut tiles pay for it, as in the classic causal flash-attention kernels.
+window-cut tiles pay for it, as in the classic causal flash-attention kernels. Attention
+sinks (per-head logits, GPT-OSS) join each row's denominator at the normalisation.
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ from pagoda_cuda.attention.key_tile import key_tile
 def _prefill_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, stride_cs, stride_ch,
                     stride_vb, stride_vs, stride_vh, tables_ptr, stride_tb, stride_tn, seq_lens_ptr, qsl_ptr,
                     tile_map_ptr, out_ptr, stride_ot, stride_oh, scale, soft_cap, window, k_scale_ptr, v_scale_ptr,
-                    qr_ptr, stride_qrt, stride_qrh, kr_cache, stride_rb, stride_rs,
+                    qr_ptr, stride_qrt, stride_qrh, kr_cache, stride_rb, stride_rs, sinks_ptr,
                     GROUP: tl.constexpr, HEAD: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_V: tl.constexpr,
                     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, USE_WINDOW: tl.constexpr,
                     USE_CAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, HAS_SCALE: tl.constexpr,
-                    ROPE: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F16: tl.constexpr):
+                    ROPE: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F16: tl.constexpr, HAS_SINKS: tl.constexpr):
     tile = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // GROUP
@@ -104,6 +105,8 @@ def _prefill_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, st
                                   stride_cb, stride_cs, stride_vb, stride_vs, kr_cache, stride_rb, stride_rs, d, dmask,
                                   dv, dvmask, r, rmask, scale, soft_cap, BLOCK_N, PAGE, True,
                                   USE_WINDOW, USE_CAP, UPCAST, IEEE, ROPE)
+    if HAS_SINKS:  # exp(sink) joins the denominator (log2 domain, like m_i)
+        l_i = l_i + tl.exp2(tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634 - m_i)
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc * (v_scale / l_i)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + dv[None, :], out.to(out_ptr.dtype.element_ty),
@@ -151,7 +154,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   out: torch.Tensor, scale: float, sliding_window: int | None = None,
                   soft_cap: float | None = None, config: tuple[int, int, int, int] | None = None,
                   kv_scales: dict | None = None, q_rope: torch.Tensor | None = None,
-                  k_rope: torch.Tensor | None = None) -> None:
+                  k_rope: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> None:
     """q [T, nq, D], out [T, nq, Dv] over the whole batch (rows addressed through
     query_start_loc); caches [num_blocks, block_size, nk, D] and [..., Dv] (Dv may differ from
     D: MLA's expanded keys and values); tile_map [num_tiles, 2] int32 from ``build_tile_map``
@@ -178,6 +181,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         out, out.stride(0), out.stride(1), float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
         kv_scales["k_scale"] if kv_scales else seq_lens, kv_scales["v_scale"] if kv_scales else seq_lens,
         q_rope, q_rope.stride(0), q_rope.stride(1), k_rope, k_rope.stride(0), k_rope.stride(1),
+        sinks if sinks is not None else seq_lens, HAS_SINKS=sinks is not None,
         HAS_SCALE=bool(kv_scales), GROUP=nq // nk, HEAD=head, BLOCK_D=max(16, next_pow2(head)), HEAD_V=head_v,
         BLOCK_DV=max(16, next_pow2(head_v)), BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
         USE_WINDOW=bool(sliding_window), USE_CAP=bool(soft_cap), UPCAST=interpreting(),

@@ -15,6 +15,8 @@ per projection, routing weights applied, the top-k results summed.
 
 Rounding follows ``pagoda.kernels.reference.fused_moe``: each GEMM result is rounded to the
 activation dtype, as are the activation and the weighted product; the top-k sum is in float32.
+Expert biases (GPT-OSS) are added to the rounded GEMM results and rounded again, as the
+reference's ``x @ w.t() + b`` does; ``swigluoai`` is GPT-OSS's clamped SwiGLU.
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ def _tile(num_m, num_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(h_ptr, stride_ht, w_ptr, stride_we, stride_wn, out_ptr, stride_ot, pairs_ptr,
-                    block_expert_ptr, num_pairs, num_experts, H, inner, num_m,
-                    TOPK: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    block_expert_ptr, num_pairs, num_experts, H, inner, num_m, bias_ptr, stride_be,
+                    TOPK: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                     W_DESC: tl.constexpr):
     pid_m, pid_n = _tile(num_m, tl.cdiv(inner, BLOCK_N), GROUP_M)
@@ -92,8 +95,19 @@ def _gate_up_kernel(h_ptr, stride_ht, w_ptr, stride_we, stride_wn, out_ptr, stri
     dtype = out_ptr.dtype.element_ty
     gate = acc_gate.to(dtype).to(tl.float32)
     up = acc_up.to(dtype).to(tl.float32)
+    if HAS_BIAS:
+        b_base = bias_ptr + expert.to(tl.int64) * stride_be
+        gate = (gate + tl.load(b_base + n, mask=nmask, other=0.0).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
+        up = (up + tl.load(b_base + inner + n, mask=nmask, other=0.0).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
     if ACT == "silu":
         act = gate / (1.0 + tl.exp(-gate))
+    elif ACT == "swigluoai":  # GPT-OSS: gate clamped above at 7, up to [-7, 7], (up + 1) * gate * sigmoid(1.702 gate),
+        # rounded after each step as the reference's (and transformers') dtype ops are
+        gate = tl.minimum(gate, 7.0)
+        up = (tl.minimum(tl.maximum(up, -7.0), 7.0) + 1.0).to(dtype).to(tl.float32)
+        z = (1.702 * gate).to(dtype).to(tl.float32)
+        sig = (1.0 / (1.0 + tl.exp(-z))).to(dtype).to(tl.float32)
+        act = gate * sig
     else:  # gelu, tanh approximation
         inner_t = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
         act = 0.5 * gate * (2.0 / (1.0 + tl.exp(-2.0 * inner_t)))
@@ -104,8 +118,9 @@ def _gate_up_kernel(h_ptr, stride_ht, w_ptr, stride_we, stride_wn, out_ptr, stri
 
 @triton.jit
 def _down_kernel(x_ptr, stride_xt, w_ptr, stride_we, stride_wn, out_ptr, stride_ot, pairs_ptr, block_expert_ptr,
-                 weights_ptr, num_pairs, num_experts, H, inner, num_m,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                 weights_ptr, num_pairs, num_experts, H, inner, num_m, bias_ptr, stride_be,
+                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr,
                  UPCAST: tl.constexpr, IEEE: tl.constexpr, W_DESC: tl.constexpr):
     pid_m, pid_n = _tile(num_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -138,7 +153,11 @@ def _down_kernel(x_ptr, stride_xt, w_ptr, stride_we, stride_wn, out_ptr, stride_
             acc += tl.dot(a, w)
     dtype = out_ptr.dtype.element_ty
     route = tl.load(weights_ptr + pair, mask=rmask, other=0.0).to(dtype).to(tl.float32)
-    y = acc.to(dtype).to(tl.float32) * route[:, None]
+    y = acc.to(dtype).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert.to(tl.int64) * stride_be + n, mask=nmask, other=0.0).to(tl.float32)
+        y = (y + bias[None, :]).to(dtype).to(tl.float32)
+    y = y * route[:, None]
     tl.store(out_ptr + pair[:, None].to(tl.int64) * stride_ot + n[None, :], y.to(dtype),
              mask=rmask[:, None] & nmask[None, :])
 
@@ -243,12 +262,14 @@ def with_group(config, group: int) -> tuple[int, ...]:
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, activation: str = "silu",
-              config: tuple[int, ...] | None = None, weight_tma: bool | None = None) -> torch.Tensor:
-    """hidden [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, K]; topk_ids [T, K] -> [T, H].
+              config: tuple[int, ...] | None = None, weight_tma: bool | None = None,
+              w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """hidden [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, K]; topk_ids [T, K] -> [T, H];
+    optional expert biases w13_bias [E, 2I] and w2_bias [E, H].
     ``config`` overrides ``moe_config`` (tuning sweeps; GROUP_M may be left out; a 7th entry
     says whether weight tiles load through descriptors); ``weight_tma`` overrides both."""
-    if activation not in ("silu", "gelu_tanh"):
-        raise ValueError(f"fused_moe: activation {activation!r} is not supported (silu, gelu_tanh)")
+    if activation not in ("silu", "gelu_tanh", "swigluoai"):
+        raise ValueError(f"fused_moe: activation {activation!r} is not supported (silu, gelu_tanh, swigluoai)")
     t, h = hidden.shape
     num_experts, two_inner, _ = w13.shape
     inner = two_inner // 2
@@ -278,14 +299,18 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         w2_arg = TensorDescriptor.from_tensor(w2.view(num_experts * h, inner), [block_n, block_k])
     _gate_up_kernel[(max_blocks * triton.cdiv(inner, block_n),)](
         hidden, hidden.stride(0), w13_arg, w13.stride(0), w13.stride(1), act, act.stride(0), pairs, block_expert,
-        num_pairs, num_experts, h, inner, max_blocks, TOPK=topk, ACT="silu" if activation == "silu" else "gelu",
+        num_pairs, num_experts, h, inner, max_blocks, w13_bias if w13_bias is not None else w13,
+        w13_bias.stride(0) if w13_bias is not None else 0, HAS_BIAS=w13_bias is not None,
+        TOPK=topk, ACT={"silu": "silu", "swigluoai": "swigluoai"}.get(activation, "gelu"),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, UPCAST=upcast, IEEE=ieee,
         W_DESC=weight_tma, num_warps=num_warps, num_stages=num_stages)
     per_pair = torch.empty((num_pairs, h), dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     _down_kernel[(max_blocks * triton.cdiv(h, block_n),)](
         act, act.stride(0), w2_arg, w2.stride(0), w2.stride(1), per_pair, per_pair.stride(0), pairs, block_expert,
-        weights, num_pairs, num_experts, h, inner, max_blocks, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        weights, num_pairs, num_experts, h, inner, max_blocks, w2_bias if w2_bias is not None else w2,
+        w2_bias.stride(0) if w2_bias is not None else 0, HAS_BIAS=w2_bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         GROUP_M=group_m, UPCAST=upcast, IEEE=ieee, W_DESC=weight_tma, num_warps=num_warps, num_stages=num_stages)
     ids = topk_ids.reshape(-1).contiguous()
     _combine_kernel[(t, triton.cdiv(h, 1024))](per_pair, ids, out, h, num_experts, TOPK=topk, BLOCK=1024,
