@@ -71,11 +71,13 @@ class JsonObjectScanner:
     as ``</tool_call>``) that ends the object wherever it appears outside a string.
 
     ``status``: "open" while reading, "end" after the closing brace, "error" where the text
-    stops being an object, "stop" at the stop marker. ``text`` is what was read.
+    stops being an object, "stop" at the stop marker. ``text`` is what was read, ``length``
+    its length.
     """
 
     def __init__(self, stop: str | None = None):
-        self.text = ""
+        self._parts: list[str] = []  # what was read, chunk by chunk (joined only when asked)
+        self.length = 0
         self.status = "open"
         self.members: list[Member] = []
         self._stop = stop
@@ -87,13 +89,32 @@ class JsonObjectScanner:
         special = '"{}[]' + (stop[0] if stop and stop[0] not in '"{}[]' else "")
         self._nested = re.compile("[" + re.escape(special) + "]")
 
+    @property
+    def text(self) -> str:
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
+    def slice(self, start: int, end: int) -> str:
+        """``text[start:end]``, cheap when it lies in the last chunk read (as new text does)."""
+        last = self._parts[-1] if self._parts else ""
+        base = self.length - len(last)
+        if start >= base:
+            return last[start - base:end - base]
+        return self.text[start:end]
+
     def consume(self, chunk: str, done: bool) -> int:
         """Read from ``chunk``; return how many of its characters belong to the object. The
         rest is the caller's: text after the object, or an undecided tail left for the
-        next call (none when ``done``)."""
-        s = self.text + chunk
-        i = len(self.text)
+        next call (none when ``done``). Positions (``Member``) count from the object's start.
+
+        Only ``chunk`` is scanned: whatever could depend on text not yet seen (an escape, a
+        possible stop marker) is left unread, so no state reaches back into earlier chunks
+        but a key's start, which ``_close_string`` reads through ``slice``."""
+        s = chunk
+        i = 0
         n = len(s)
+        self._base = self.length
         while i < n and self.status == "open":
             if self._string is not None:
                 m = _STRING_STOP.search(s, i)
@@ -124,7 +145,7 @@ class JsonObjectScanner:
                 elif c in "}]":
                     self._depth -= 1
                     if self._depth == 1:
-                        self.members[-1].end = i + 1
+                        self.members[-1].end = self._base + i + 1
                         self._phase = "after"
                 else:  # the stop marker's first character
                     at_stop = self._at_stop(s, i, done)
@@ -145,9 +166,10 @@ class JsonObjectScanner:
                     self.status = "error"
                 continue
             i = self._top_level(s, i, c)
-        consumed = i - len(self.text)
-        self.text = s[:i]
-        return consumed
+        if i:
+            self._parts.append(s[:i])
+            self.length += i
+        return i
 
     def _at_stop(self, s: str, i: int, done: bool) -> str | None:
         """"stop" (status set) or "wait" where the stop marker is, or may be, at ``i``."""
@@ -162,22 +184,23 @@ class JsonObjectScanner:
     def _top_level(self, s: str, i: int, c: str) -> int:
         """One character at depth 1; returns the next position (unchanged where a scalar ends)."""
         phase = self._phase
+        at = self._base + i
         if phase == "scalar":
             if c in WS or c in ",}":
-                self.members[-1].end = i
+                self.members[-1].end = at
                 self._phase = "after"
                 return i
             return i + 1
         if c in WS:
             return i + 1
         if phase == "key" and c == '"':
-            self._string, self._key_start = "key", i
+            self._string, self._key_start = "key", at
         elif phase == "key" and c == "}" and not self.members:
             self._depth, self.status = 0, "end"
         elif phase == "colon" and c == ":":
             self._phase = "value"
         elif phase == "value" and c not in "}],:":
-            self.members.append(Member(self._key, i))
+            self.members.append(Member(self._key, at))
             if c == '"':
                 self._string = "value"
             elif c in "{[":
@@ -194,10 +217,14 @@ class JsonObjectScanner:
         return i + 1
 
     def _close_string(self, s: str, end: int) -> None:
+        """A string closed at ``s[end - 1]`` (``s`` the chunk being read)."""
         role, self._string = self._string, None
+        end += self._base
         if role == "key":
+            start, stop = self._key_start - self._base, end - self._base
+            raw = s[start:stop] if start >= 0 else self.text[self._key_start:] + s[:stop]
             try:
-                self._key = json.loads(s[self._key_start:end])
+                self._key = json.loads(raw)
             except ValueError:
                 self.status = "error"
                 return

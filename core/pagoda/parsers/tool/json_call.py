@@ -42,21 +42,20 @@ class JsonCallReader:
         return taken
 
     def _check(self) -> None:
-        text = self.scan.text
-        for member in self.scan.members:
+        scan = self.scan
+        for member in scan.members:
             if member.key not in ALLOWED_KEYS:
                 if not self.started:
                     self.malformed = self.finished = True
                     return
             elif member.key == "name" and self.name is None and member.end is not None:
-                value = text[member.start:member.end]
-                name = json.loads(value) if value.startswith('"') and value.endswith('"') else None
+                name = _string(scan.slice(member.start, member.end))
                 if not isinstance(name, str) or not name:
                     self.malformed = self.finished = True
                     return
                 self.name = name
             elif member.key in ARGUMENT_KEYS and self.args is None:
-                if text[member.start] != "{":
+                if scan.slice(member.start, member.start + 1) != "{":
                     self.malformed = self.finished = True
                     return
                 self.args = member
@@ -66,7 +65,17 @@ class JsonCallReader:
             self.started = True
             self.stream.begin_call(self.name)
         if self.started:
-            end = self.args.end if self.args.end is not None else len(text)
+            end = self.args.end if self.args.end is not None else scan.length
             start = self.args.start + self._sent
-            self.stream.call_arguments(text[start:end])
+            self.stream.call_arguments(scan.slice(start, end))
             self._sent = end - self.args.start
+
+
+def _string(value: str) -> str | None:
+    """The JSON string literal ``value`` decoded, or None if it is not one."""
+    if not (value.startswith('"') and value.endswith('"')):
+        return None
+    try:
+        return json.loads(value)
+    except ValueError:
+        return None

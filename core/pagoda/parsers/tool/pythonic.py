@@ -124,7 +124,11 @@ class PythonicStream(ToolCallStream):
 
     def _start(self) -> bool:
         rest = self.buf.lstrip(WS)
-        self.content(self.buf[:len(self.buf) - len(rest)])
+        space = self.buf[:len(self.buf) - len(rest)]
+        if self.raw:  # after <|python_start|>: part of what is given back if no list follows
+            self.raw += space
+        else:
+            self.content(space)
         self.buf = rest
         if not rest and not self.done:
             return False
