@@ -44,3 +44,29 @@ def stream_reasoning(parser, pieces: list[str], initial=None) -> tuple[str | Non
         reasoning.append(r or "")
         content.append(c or "")
     return "".join(reasoning) or None, "".join(content) or None
+
+
+def byte_tokenizer():
+    """A tiny byte-level tokenizer with no added tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def marker_tokenizer():
+    """The byte-level tokenizer with the markers models add: Qwen's <think> and <tool_call> as
+    plain added tokens, Mistral's [TOOL_CALLS] family as special (control) tokens."""
+    from tokenizers import AddedToken
+
+    fast = byte_tokenizer()
+    fast.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>"])
+    fast.add_tokens([AddedToken(t, special=True) for t in ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")],
+                    special_tokens=True)
+    return fast

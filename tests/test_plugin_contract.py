@@ -28,7 +28,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
-    """pip-install the three test plugins into separate folders (a real install with metadata)."""
+    """pip-install the four test plugins into separate folders (a real install with metadata)."""
     dirs = {}
     for name in ("dummy", "broken", "dup", "dupparser"):
         target = tmp_path_factory.mktemp(f"site-{name}")
