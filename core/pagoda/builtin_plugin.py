@@ -1,10 +1,24 @@
 """The core's own hook implementations: the CPU platform, the pure-torch attention
-backends (multi-head, MLA and DeepSeek's sparse MLA), the default KV allocator and the torch reference of every
-kernel op."""
+backends (multi-head, MLA and DeepSeek's sparse MLA), the default KV allocator, the torch reference
+of every kernel op, and the built-in tool-call and reasoning parsers."""
 
 from __future__ import annotations
 
 from pagoda.hookspecs import hookimpl
+
+TOOL_PARSERS = {
+    "hermes": "pagoda.parsers.tool.hermes:HermesToolParser",
+    "llama3_json": "pagoda.parsers.tool.llama3_json:Llama3JsonToolParser",
+    "mistral": "pagoda.parsers.tool.mistral:MistralToolParser",
+    "deepseek_v3": "pagoda.parsers.tool.deepseek_v3:DeepSeekV3ToolParser",
+    "deepseek_v31": "pagoda.parsers.tool.deepseek_v3:DeepSeekV3ToolParser",  # V3.1's layout, same parser
+    "pythonic": "pagoda.parsers.tool.pythonic:PythonicToolParser",
+}
+REASONING_PARSERS = {
+    "qwen3": "pagoda.parsers.reasoning.qwen3:Qwen3ReasoningParser",
+    "deepseek_r1": "pagoda.parsers.reasoning.deepseek_r1:DeepSeekR1ReasoningParser",
+    "deepseek_v3": "pagoda.parsers.reasoning.deepseek_v3:DeepSeekV3ReasoningParser",
+}
 
 
 @hookimpl
@@ -38,3 +52,15 @@ def register_kernels(register):
 
     for op in OPS:
         register(op, "*", f"pagoda.kernels.reference:{op}", priority=0)
+
+
+@hookimpl
+def register_tool_parsers(register):
+    for name, parser in TOOL_PARSERS.items():
+        register(name, parser)
+
+
+@hookimpl
+def register_reasoning_parsers(register):
+    for name, parser in REASONING_PARSERS.items():
+        register(name, parser)

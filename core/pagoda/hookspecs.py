@@ -1,4 +1,4 @@
-"""The plugin contract: six collect-all hooks.
+"""The plugin contract: nine collect-all hooks.
 
 Every hook is called once per process, when the plugin manager is first needed
 (``pagoda.plugins.get_plugin_manager()``), in no particular order. Each receives a
@@ -84,4 +84,41 @@ def register_kernels(register: Callable) -> None:
     ``platform`` a platform name or ``"*"`` for any, ``impl`` a callable or a lazy
     ``"module:function"`` string. Per platform and op the highest priority wins; the
     core's torch reference (priority 0, platform ``"*"``) is the floor.
+    """
+
+
+@hookspec
+def register_tool_parsers(register: Callable) -> None:
+    """Register tool-call parsers.
+
+    ``register(name, parser)`` maps a name (the value of ``tool_call_parser`` /
+    ``--tool-call-parser``, e.g. ``"hermes"``) to a subclass of
+    ``pagoda.parsers.ToolParser`` or a lazy ``"module:Class"`` string. The server makes one
+    instance per request, ``Parser(tokenizer, tools)``, and turns the model's output into
+    OpenAI tool calls with ``extract(text)`` or, streaming, ``stream().feed(delta, done)``
+    (docs/parsers.md).
+    """
+
+
+@hookspec
+def register_reasoning_parsers(register: Callable) -> None:
+    """Register reasoning parsers.
+
+    ``register(name, parser)`` maps a name (the value of ``reasoning_parser`` /
+    ``--reasoning-parser``, e.g. ``"qwen3"``) to a subclass of
+    ``pagoda.parsers.ReasoningParser`` or a lazy ``"module:Class"`` string, made per request
+    as ``Parser(tokenizer)``; it splits the output into reasoning and content and tells the
+    engine when the reasoning has ended (docs/parsers.md).
+    """
+
+
+@hookspec
+def register_logits_processors(register: Callable) -> None:
+    """Register logits processors.
+
+    ``register(name, processor)`` maps a name (an entry of ``logits_processors`` /
+    ``--logits-processors``) to a subclass of ``pagoda.interfaces.LogitsProcessor`` or a
+    lazy ``"module:Class"`` string. The engine constructs each selected processor once,
+    ``Processor(vocab_size, tokenizer)``, and calls it on every request's row of logits
+    before sampling: ``processor(output_token_ids, logits) -> logits``.
     """

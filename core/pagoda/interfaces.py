@@ -1,4 +1,5 @@
-"""The objects plugins register: platforms, attention backends, KV allocators, quantizers.
+"""The objects plugins register: platforms, attention backends, KV allocators, quantizers,
+logits processors. (Tool-call and reasoning parsers are in ``pagoda.parsers``.)
 
 This module imports no torch at import time so that plugin discovery stays cheap; the
 methods that need torch import it inside.
@@ -251,4 +252,26 @@ class Quantizer:
 
     def from_user(self, options: dict) -> QuantConfig:
         """From the user's ``quantization:`` setting (online quantization at load)."""
+        raise NotImplementedError
+
+
+# ---------------------------------------------------------------------------- logits processors
+class LogitsProcessor:
+    """Registered through ``register_logits_processors``; selected by name (``logits_processors``).
+
+    The engine constructs each selected processor once, with the model's vocabulary size
+    (the logits' width, which may exceed the tokenizer's) and its tokenizer (None when the
+    engine runs without one). Before sampling, every request's row of logits passes
+    through ``__call__`` with the tokens that request has generated so far; the result
+    replaces the row. Keep per-request state out of the instance, or key it by
+    something in ``output_token_ids``: one instance serves every request.
+    """
+
+    def __init__(self, vocab_size: int, tokenizer: Any) -> None:
+        self.vocab_size = vocab_size
+        self.tokenizer = tokenizer
+
+    def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """``logits``: float [vocab_size] for one request (the device's dtype); return a
+        tensor of the same shape (modifying ``logits`` in place and returning it is fine)."""
         raise NotImplementedError

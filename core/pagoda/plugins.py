@@ -28,6 +28,9 @@ HOOKS = (
     "register_quantizers",
     "register_allocators",
     "register_kernels",
+    "register_tool_parsers",
+    "register_reasoning_parsers",
+    "register_logits_processors",
 )
 
 
@@ -41,6 +44,9 @@ class PluginRegistry:
     quantizers: Registry = field(default_factory=lambda: Registry("quantizer"))
     allocators: Registry = field(default_factory=lambda: Registry("KV allocator"))
     kernels: KernelRegistry = field(default_factory=KernelRegistry)
+    tool_parsers: Registry = field(default_factory=lambda: Registry("tool parser"))
+    reasoning_parsers: Registry = field(default_factory=lambda: Registry("reasoning parser"))
+    logits_processors: Registry = field(default_factory=lambda: Registry("logits processor"))
     plugins: list[PluginInfo] = field(default_factory=list)
 
     def failed(self) -> list[PluginInfo]:
@@ -97,6 +103,22 @@ def _make_register(hook: str, reg: PluginRegistry, provider: str, info: PluginIn
         reg.kernels.add(op, platform, impl, priority, provider)
         names.append(f"{op}@{platform}")
 
+    def by_name(registry: Registry):
+        def register_class(name: str, cls) -> None:
+            if not (isinstance(cls, type) or (isinstance(cls, str) and ":" in cls)):
+                raise PluginError(f"{provider} registered {registry.kind} {name!r} as {cls!r}: register a "
+                                  f"class or a lazy 'module:Class' string")
+            registry.add(name, cls, provider)
+            names.append(name)
+
+        return register_class
+
+    if hook == "register_tool_parsers":
+        return by_name(reg.tool_parsers)
+    if hook == "register_reasoning_parsers":
+        return by_name(reg.reasoning_parsers)
+    if hook == "register_logits_processors":
+        return by_name(reg.logits_processors)
     return {
         "register_platforms": register_platform,
         "register_attention_backends": register_backend,

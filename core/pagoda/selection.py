@@ -1,4 +1,5 @@
-"""Choosing the platform, attention backend, model class, allocator and quantizer.
+"""Choosing the platform, attention backend, model class, allocator, quantizer, and the
+tool parser, reasoning parser and logits processors named by the user.
 
 Every ``select_*`` either returns what was asked for or raises ``PluginError`` naming what
 is missing, which distribution would provide it, and any plugin that failed to load.
@@ -154,3 +155,71 @@ def get_quantizer(name: str, reg: PluginRegistry | None = None) -> Quantizer:
                           f"{', '.join(reg.quantizers.names()) or 'none'}).{_hint('quantizer', name)}"
                           + reg.failure_note())
     return reg.quantizers.get(name)
+
+
+TOOL_PARSER_SOURCE = "tool_call_parser (--tool-call-parser)"
+REASONING_PARSER_SOURCE = "reasoning_parser (--reasoning-parser)"
+LOGITS_PROCESSOR_SOURCE = "logits_processors (--logits-processors)"
+
+
+def _by_name(registry, name: str, source: str, reg: PluginRegistry) -> Any:
+    """The class registered as ``name``, imported; errors name ``source`` (the key and flag)."""
+    if name not in registry:
+        raise PluginError(f"{source}: {registry.kind} {name!r} is not registered (registered: "
+                          f"{', '.join(registry.names()) or 'none'})" + reg.failure_note())
+    entry = registry.entries[name]
+    try:
+        return resolve_lazy(entry.obj)
+    except Exception as exc:
+        raise PluginError(f"{source}: {registry.kind} {name!r} is registered by {entry.provider} but failed "
+                          f"to import: {type(exc).__name__}: {exc}") from exc
+
+
+def get_tool_parser(name: str, reg: PluginRegistry | None = None, source: str = TOOL_PARSER_SOURCE) -> Any:
+    """The ``pagoda.parsers.ToolParser`` subclass registered as ``name``."""
+    reg = reg or get_registry()
+    return _by_name(reg.tool_parsers, name, source, reg)
+
+
+def get_reasoning_parser(name: str, reg: PluginRegistry | None = None,
+                         source: str = REASONING_PARSER_SOURCE) -> Any:
+    """The ``pagoda.parsers.ReasoningParser`` subclass registered as ``name``."""
+    reg = reg or get_registry()
+    return _by_name(reg.reasoning_parsers, name, source, reg)
+
+
+def get_logits_processor(name: str, reg: PluginRegistry | None = None,
+                         source: str = LOGITS_PROCESSOR_SOURCE) -> Any:
+    """The ``pagoda.interfaces.LogitsProcessor`` subclass registered as ``name``."""
+    reg = reg or get_registry()
+    return _by_name(reg.logits_processors, name, source, reg)
+
+
+def select_tool_parser(name: str | None, chat_template: str | None = None, reg: PluginRegistry | None = None,
+                       source: str = TOOL_PARSER_SOURCE) -> Any:
+    """The tool parser class for a ``tool_call_parser`` setting: None or "none" for no
+    parser, "auto" for the one the chat template names unambiguously (None if it does not),
+    otherwise the registered name."""
+    from pagoda.parsers.infer import infer_tool_parser
+
+    if name in (None, "", "none"):
+        return None
+    if name == "auto":
+        name = infer_tool_parser(chat_template)
+        if name is None:
+            return None
+    return get_tool_parser(name, reg, source)
+
+
+def select_reasoning_parser(name: str | None, chat_template: str | None = None,
+                            reg: PluginRegistry | None = None, source: str = REASONING_PARSER_SOURCE) -> Any:
+    """As ``select_tool_parser``, for ``reasoning_parser``."""
+    from pagoda.parsers.infer import infer_reasoning_parser
+
+    if name in (None, "", "none"):
+        return None
+    if name == "auto":
+        name = infer_reasoning_parser(chat_template)
+        if name is None:
+            return None
+    return get_reasoning_parser(name, reg, source)

@@ -42,7 +42,11 @@ def collect() -> dict:
         selected["error"] = str(exc)
     return {"plugins": plugins, "platforms": platforms, "selected": selected,
             "models": {n: reg.models.entries[n].provider for n in reg.models.names()},
-            "quantizers": {n: reg.quantizers.entries[n].provider for n in reg.quantizers.names()}}
+            "quantizers": {n: reg.quantizers.entries[n].provider for n in reg.quantizers.names()},
+            **{kind: {n: registry.entries[n].provider for n in registry.names()}
+               for kind, registry in (("tool_parsers", reg.tool_parsers),
+                                      ("reasoning_parsers", reg.reasoning_parsers),
+                                      ("logits_processors", reg.logits_processors))}}
 
 
 def run(args) -> int:
@@ -71,4 +75,8 @@ def run(args) -> int:
                 print(f"    {op:<22} {who}")
         else:
             print(f"  {key}: {value}")
+    print("Chosen by name (tool_call_parser, reasoning_parser, logits_processors):")
+    for kind in ("tool_parsers", "reasoning_parsers", "logits_processors"):
+        names = [f"{n} [{who}]" if who != "pagoda-core" else n for n, who in info[kind].items()]
+        print(f"  {kind.replace('_', ' ')}: {', '.join(names) or 'none'}")
     return 0

@@ -1,0 +1,1 @@
+"""The built-in reasoning parsers (registered in ``pagoda.builtin_plugin``)."""
