@@ -9,6 +9,7 @@ request only; the others of the same step get exactly the tokens they would have
 import httpx
 import pytest
 from pagoda import LLM, SamplingParams
+from pagoda import logits_processors as logits_module
 from pagoda import sampler as sampler_module
 from pagoda.config import EngineConfig
 from pagoda.errors import RequestError
@@ -88,14 +89,14 @@ def test_a_row_that_fails_to_sample_fails_only_its_request(llm, monkeypatch, whe
     clean = _tokens(llm.generate(prompts, params))
     victim = {"penalties": 2, "batched selection": 3, "logprobs": 3}[where]
     if where == "penalties":
-        real = sampler_module._apply_penalties
+        real = logits_module.apply_penalties
 
         def penalties(row, seq):
             if seq.params.repetition_penalty == 1.3 and seq.num_output_tokens == 2:
                 raise RuntimeError("injected: penalties")
             return real(row, seq)
 
-        monkeypatch.setattr(sampler_module, "_apply_penalties", penalties)
+        monkeypatch.setattr(logits_module, "apply_penalties", penalties)
     elif where == "batched selection":  # the batch fails; row by row only the top_k=13 row does
         real = sampler_module._filtered_probs
 
@@ -196,14 +197,14 @@ def test_ollama_options_are_bounded_where_they_enter(server, options, field):
 
 
 def test_a_failed_request_answers_500_and_the_others_finish(server, monkeypatch):
-    real = sampler_module._apply_penalties
+    real = logits_module.apply_penalties
 
     def penalties(row, seq):
         if seq.params.repetition_penalty == 1.7:
             raise RuntimeError("injected")
         return real(row, seq)
 
-    monkeypatch.setattr(sampler_module, "_apply_penalties", penalties)
+    monkeypatch.setattr(logits_module, "apply_penalties", penalties)
     body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     expected = post(server, "/v1/completions", body).json()["choices"][0]["text"]
     with httpx.Client(base_url=server.url, timeout=60) as client:
@@ -277,7 +278,14 @@ def test_a_dead_engine_says_so_and_the_process_exits_non_zero(checkpoint):
                 url = match.group(1)
                 break
         assert url, "the server did not start"
-        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        deadline = time.monotonic() + 60
+        while True:  # (the port is bound before the server listens)
+            try:
+                assert httpx.get(url + "/health", timeout=10).status_code == 200
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
         r = httpx.post(url + "/v1/completions", json={"prompt": [7, 7, 1], "max_tokens": 2}, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed", r.text
         health = httpx.get(url + "/health", timeout=10)

@@ -57,7 +57,7 @@ def test_penalties_follow_their_definitions():
     rep = seqs(SamplingParams(temperature=0, repetition_penalty=2.0))[0]
     rep.token_ids += [5, 6]
     sampler = Sampler(torch.device("cpu"))
-    from pagoda.sampler import _apply_penalties
+    from pagoda.logits_processors import apply_penalties as _apply_penalties
 
     row = logits[0].clone()
     _apply_penalties(row, rep)

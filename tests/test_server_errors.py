@@ -67,9 +67,13 @@ CHAT_CASES = [  # (changes to a valid chat request, the field the error must nam
     ({"seed": "abc"}, "seed"),
     ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),
-    ({"logit_bias": {"5": 10}}, "logit_bias"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logit_bias": {"5": "ten"}}, "logit_bias.5"),
+    ({"logit_bias": {"5": 1, "99999": 1}}, "logit_bias"),  # a token id over the vocabulary
+    ({"tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"tool_choice": "required"}, "tool_choice"),  # without tools
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format"),
     ({"messages": []}, "messages"),
     ({"messages": [{"content": "no role"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -90,7 +94,6 @@ def test_invalid_completion_requests(server):
                         ({"prompt": [5, 999], "model": "tiny"}, "prompt[1]"),  # token id outside the vocabulary
                         ({"prompt": [3, -1]}, "prompt[1]"), ({"prompt": "a", "best_of": 3}, "best_of"),
                         ({"prompt": "a", "suffix": "z"}, "suffix"),
-                        ({"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
                         ({"prompt": "a", "logprobs": 21}, "logprobs")]:
         assert error_of(post(server, "/v1/completions", body), 400)["param"] == param, body
     bad_json = httpx.post(server.url + "/v1/completions", content=b"{not json", timeout=10,

@@ -8,6 +8,7 @@
 from pagoda.hookspecs import hookimpl
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
+from pagoda.structured_outputs import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -31,4 +32,4 @@ def __getattr__(name):
 
 
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams",
-           "hookimpl", "__version__"]
+           "StructuredOutputsParams", "hookimpl", "__version__"]

@@ -112,7 +112,7 @@ class BlockManager:
         """Give a new sequence the longest cached prefix of its tokens (at least one token is
         left to compute, so the model still produces logits for it)."""
         self.prefix_queries += seq.num_tokens
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.wants_prompt_logprobs:  # (its logprobs need every position)
             return
         max_blocks = (seq.num_tokens - 1) // self.block_size
         if self.num_groups == 1 and self.windows[0] is None:

@@ -66,6 +66,16 @@ class EngineConfig(BaseModel):
     max_logprobs: int = Field(20, ge=0, description="largest logprobs a request may ask for")
     max_n: int = Field(128, gt=0, description="most completions one request may produce: n (and best_of), "
                        "times the number of prompts of a completions request; each is a sequence in the batch")
+    reasoning_parser: str | None = Field(None, description="the reasoning parser of a thinking model (qwen3, "
+                                         "deepseek_r1, deepseek_v3, a plugin's; auto: from the chat template): "
+                                         "the server returns reasoning_content, and a structured-output grammar "
+                                         "starts where the reasoning ends")
+    logits_processors: list[str] = Field(default_factory=list, description="logits processors (registered by "
+                                         "plugins, see docs/plugins.md) this engine enables; a request names the "
+                                         "ones it wants")
+    structured_outputs_backend: Literal["auto", "xgrammar", "llguidance"] = Field(
+        "auto", description="grammar engine of structured outputs: xgrammar, llguidance, or auto (xgrammar, and "
+        "llguidance for what xgrammar cannot compile)")
     skip_tokenizer_init: bool = Field(False, description="token ids in, token ids out")
     load_format: Literal["auto", "dummy"] = Field("auto", description="dummy: random weights of the "
                                                   "model's shapes (benchmarks)")

@@ -9,7 +9,7 @@ call of the Rust tokenizer.
 
 from __future__ import annotations
 
-from pagoda.sequence import Sequence
+from pagoda.sequence import Sequence, SequenceStatus
 
 PREFIX_WINDOW = 5
 
@@ -38,7 +38,7 @@ class Detokenizer:
                     seq.read_offset = seq.num_prompt_tokens
                     seq.prefix_offset = max(0, seq.num_prompt_tokens - PREFIX_WINDOW)
                 windows.append(seq.token_ids[seq.prefix_offset:seq.read_offset])
-                windows.append(seq.token_ids[seq.prefix_offset:])
+                windows.append(seq.token_ids[seq.prefix_offset:_text_end(seq)])
             texts = self._decode_batch(windows, skip)
             for n, i in enumerate(idx):
                 seq = seqs[i]
@@ -55,6 +55,16 @@ class Detokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._decode_batch([token_ids], skip_special_tokens)[0]
+
+
+def _text_end(seq: Sequence) -> int:
+    """Where the text's tokens end: a stop token (EOS, a stop_token_ids entry, or the stop token a
+    complete grammar accepted) that ended the sequence is not text, unless
+    include_stop_str_in_output (as in vLLM; it matters when special tokens are kept)."""
+    if (seq.status is SequenceStatus.FINISHED_STOPPED and not isinstance(seq.stop_reason, str)
+            and not seq.params.include_stop_str_in_output and seq.num_tokens > seq.num_prompt_tokens):
+        return seq.num_tokens - 1
+    return seq.num_tokens
 
 
 def find_stop_string(seq: Sequence, delta: str) -> str | None:

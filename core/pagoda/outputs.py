@@ -51,3 +51,5 @@ class RequestOutput:
     # set when the request failed inside a step (its row could not be sampled or detokenized): the
     # other requests of that step went on; this one ended with finish_reason "error"
     error: str | None = None
+    # with SamplingParams.prompt_logprobs: per prompt token, None (the first) or {token id: Logprob}
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

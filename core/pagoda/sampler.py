@@ -1,10 +1,16 @@
-"""Token selection for a batch: penalties, temperature, top-k, top-p, min-p, seeds, logprobs.
+"""Token selection for a batch: per-request logits processing, grammar masks, temperature, top-k,
+top-p, min-p, seeds, logprobs.
 
-Rows are sequences. Greedy rows take the argmax of the penalised logits. Random rows
-sample with the exponential-race trick (argmax of p / Exp(1) noise); a request with a
-seed draws its noise from its own generator, so its tokens do not depend on what else is
-in the batch. Logprobs come from the model's raw distribution (log-softmax of the logits
-before penalties and temperature), as in vLLM.
+Rows are sequences. A row whose request only wants the most likely token (``argmax_only``) takes
+the argmax of its logits as they are; the other rows are processed apart, in float32: their own
+logits processing (``pagoda.logits_processors``), then their grammar's token mask (structured
+outputs), then greedy selection or the exponential race (argmax of p / Exp(1) noise); a request
+with a seed draws its noise from its own generator, so its tokens do not depend on what else is in
+the batch. Logprobs come from the model's raw distribution (log-softmax of the logits before any
+processing and temperature), as in vLLM.
+
+A failure pinned to one row (its processing, its grammar, its generator, its logprobs, or the
+batched selection retried row by row) fails that row only.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagoda.logits_processors import process_row
 from pagoda.sequence import Sequence
 
 
@@ -23,16 +30,17 @@ class SampleResult:
     logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
     # rows that could not be sampled, and why: their request fails, the other rows keep their tokens
     failed: dict[int, BaseException] = field(default_factory=dict)
+    # prompt logprobs computed this step: seq_id -> [(position, logprob, rank, [(token, logprob), ...])]
+    prompt_logprobs: dict[int, list] = field(default_factory=dict)
 
 
 class Sampler:
-    """Samples a batch; a failure pinned to one row (its penalties, its generator, its logprobs,
-    or the batched selection retried row by row) fails that row only."""
-
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._seq_generators: dict[int, torch.Generator] = {}
+        self.stop_token_ids: set[int] = set()  # the engine's EOS ids (min_tokens holds them back)
+        self.processors: dict = {}  # logits processors the engine enabled, by name
 
     def forget(self, seq_id: int) -> None:
         self._seq_generators.pop(seq_id, None)
@@ -46,59 +54,97 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """logits [N, V] for the N sequences (in order) that sample this step."""
-        params = [s.params for s in seqs]
-        distinct = list({id(p): p for p in params}.values())  # offline batches share one object
-        want_logprobs = any(p.logprobs is not None for p in distinct)
-        plain = not any(p.needs_penalties or not p.greedy for p in distinct)
-        if plain and not want_logprobs:
-            # argmax before the float32 upcast: the same index (the upcast is exact and
-            # monotonic), without writing a float32 copy of [N, vocab]
-            return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
-        failed: dict[int, BaseException] = {}
-        raw = logits.float()
-        logits = self._penalised(raw, seqs, failed)
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        noise = self._noise(logits.shape[-1], seqs, random_rows, failed)
-        try:
-            token_list = _select(logits, params, random_rows, noise).tolist()
-        except Exception:  # pin the failure down: the same selection, one row at a time
-            token_list = [0] * len(seqs)
-            for i in range(len(seqs)):
-                if i in failed:
-                    continue
-                try:
-                    j = random_rows.index(i) if i in random_rows else None
-                    one = _select(logits[i:i + 1], [params[i]], [0] if j is not None else [],
-                                  None if j is None else noise[j:j + 1])
-                    token_list[i] = int(one[0])
-                except Exception as exc:
-                    failed[i] = exc
+        special = [i for i, s in enumerate(seqs) if not s.params.argmax_only or s.grammar is not None]
+        if len(special) < len(seqs):  # argmax before any float32 upcast: the same index (exact, monotonic)
+            tokens = logits.argmax(dim=-1).tolist()
+            if not special:
+                return SampleResult(tokens, [None] * len(seqs))
+        else:
+            tokens = [0] * len(seqs)
+        rows = [seqs[i] for i in special]
+        raw = (logits if len(special) == len(seqs) else
+               logits.index_select(0, torch.tensor(special, device=logits.device))).float()  # [S, V]
+        failed: dict[int, BaseException] = {}  # by position in ``rows``
+        work = self._processed(raw, rows, failed)
+        picked = self._pick(work, rows, failed)
         out: list = [None] * len(seqs)
-        if want_logprobs:
+        if any(s.params.logprobs is not None for s in rows):
             logp = torch.log_softmax(raw, dim=-1)
-            for i, p in enumerate(params):
-                if p.logprobs is None or i in failed:
+            for j, seq in enumerate(rows):
+                if seq.params.logprobs is not None and j not in failed:
+                    try:
+                        out[special[j]] = _logprobs(logp[j], picked[j], seq.params.logprobs)
+                    except Exception as exc:
+                        failed[j] = exc
+        for j, i in enumerate(special):
+            tokens[i] = 0 if j in failed else picked[j]  # (a failed row's token is never used)
+        return SampleResult(tokens, out, {special[j]: exc for j, exc in failed.items()})
+
+    def prompt_logprobs(self, logits: torch.Tensor, seq: Sequence, first: int) -> dict[int, list]:
+        """logits [R, V] at prompt positions first .. first + R - 1 of ``seq``: for each, the
+        logprob and rank of the prompt token that follows (at position + 1) and the top k, as the
+        engine records them (the model's raw distribution, as for sampled tokens)."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        targets = torch.tensor(seq.token_ids[first + 1:first + 1 + logp.shape[0]], device=logp.device)
+        chosen = logp.gather(1, targets[:, None])
+        ranks = ((logp > chosen).sum(dim=1) + 1).tolist()
+        k = seq.params.prompt_logprobs
+        tops = [[]] * logp.shape[0]
+        if k:
+            vals, ids = logp.topk(k, dim=-1)
+            tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+        return {seq.seq_id: [(first + 1 + r, c, rank, top) for r, (c, rank, top)
+                             in enumerate(zip(chosen.squeeze(1).tolist(), ranks, tops))]}
+
+    def _processed(self, raw: torch.Tensor, rows: list[Sequence], failed: dict) -> torch.Tensor:
+        """The rows' logits after their own processing and grammar masks (a copy when anything applies)."""
+        needs = [j for j, s in enumerate(rows) if s.params.needs_processing]
+        grammar = [j for j, s in enumerate(rows) if s.grammar is not None]
+        if not needs and not grammar:
+            return raw
+        work = raw.clone()
+        for j in needs:
+            try:
+                process_row(work[j], rows[j], self.stop_token_ids, self.processors)
+            except Exception as exc:
+                failed[j] = exc
+        if grammar:
+            from pagoda.structured_outputs.backends import apply_bitmask
+
+            bitmask = torch.full((len(rows), (work.shape[-1] + 31) // 32), -1, dtype=torch.int32)  # all allowed
+            for j in grammar:
+                try:
+                    rows[j].grammar.fill_bitmask(bitmask, j)
+                    if rows[j].grammar_opening is not None:  # the token that would open the reasoning
+                        token = rows[j].grammar_opening[0]
+                        bitmask[j, token // 32] |= _bit(token % 32)
+                except Exception as exc:
+                    failed[j] = exc
+            apply_bitmask(work, bitmask)
+            for j in grammar:
+                if j not in failed and bool(torch.isneginf(work[j]).all()):
+                    failed[j] = RuntimeError("the grammar (with this request's other constraints) allows no token")
+        return work
+
+    def _pick(self, work: torch.Tensor, rows: list[Sequence], failed: dict) -> list[int]:
+        params = [s.params for s in rows]
+        random_rows = [j for j, p in enumerate(params) if not p.greedy]
+        noise = self._noise(work.shape[-1], rows, random_rows, failed)
+        try:
+            return _select(work, params, random_rows, noise).tolist()
+        except Exception:  # pin the failure down: the same selection, one row at a time
+            picked = [0] * len(rows)
+            for j in range(len(rows)):
+                if j in failed:
                     continue
                 try:
-                    out[i] = _logprobs(logp[i], token_list[i], p.logprobs)
+                    k = random_rows.index(j) if j in random_rows else None
+                    one = _select(work[j:j + 1], [params[j]], [0] if k is not None else [],
+                                  None if k is None else noise[k:k + 1])
+                    picked[j] = int(one[0])
                 except Exception as exc:
-                    failed[i] = exc
-        for i in failed:
-            token_list[i] = 0  # never used: the engine fails the row's request
-        return SampleResult(token_list, out, failed)
-
-    def _penalised(self, logits: torch.Tensor, seqs: list[Sequence], failed: dict) -> torch.Tensor:
-        """The logits with each row's repetition/frequency/presence penalties applied (a copy)."""
-        if not any(s.params.needs_penalties for s in seqs):
-            return logits
-        logits = logits.clone()
-        for i, seq in enumerate(seqs):
-            if seq.params.needs_penalties:
-                try:
-                    _apply_penalties(logits[i], seq)
-                except Exception as exc:
-                    failed[i] = exc
-        return logits
+                    failed[j] = exc
+            return picked
 
     def _noise(self, vocab: int, seqs: list[Sequence], rows: list[int], failed: dict) -> torch.Tensor | None:
         """Exp(1) noise [len(rows), vocab] for the random rows, each drawn from its sequence's
@@ -107,13 +153,13 @@ class Sampler:
         if not rows:
             return None
         noise = torch.empty(len(rows), vocab, device=self.device)
-        for j, i in enumerate(rows):
+        for k, j in enumerate(rows):
             try:
-                gen = self.generator if seqs[i].seed is None else self._generator(seqs[i])
-                noise[j].exponential_(generator=gen)
+                gen = self.generator if seqs[j].seed is None else self._generator(seqs[j])
+                noise[k].exponential_(generator=gen)
             except Exception as exc:
-                failed[i] = exc
-                noise[j].fill_(1.0)
+                failed[j] = exc
+                noise[k].fill_(1.0)
         return noise
 
 
@@ -141,19 +187,6 @@ def _logprobs(logp: torch.Tensor, token: int, k: int) -> tuple[float, int, list[
     return float(chosen.item()), rank, top
 
 
-def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
-    p = seq.params
-    if p.repetition_penalty != 1.0:
-        ids = torch.tensor(sorted(set(seq.token_ids)), device=row.device, dtype=torch.long)
-        vals = row.index_select(0, ids)
-        row.index_copy_(0, ids, torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty))
-    counts = seq.output_counts or {}
-    if counts and (p.frequency_penalty or p.presence_penalty):
-        ids = torch.tensor(list(counts), device=row.device, dtype=torch.long)
-        cnt = torch.tensor(list(counts.values()), device=row.device, dtype=row.dtype)
-        row.index_add_(0, ids, -(p.frequency_penalty * cnt + p.presence_penalty))
-
-
 def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     """softmax, then zero what top-k, top-p and min-p exclude (each row its own settings)."""
     probs = torch.softmax(logits, dim=-1)
@@ -175,3 +208,9 @@ def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
         sorted_probs = sorted_probs.masked_fill(before >= tp[:, None], 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _bit(i: int) -> int:
+    """Bit i of an int32 word, as a signed value (bit 31 is the sign)."""
+    return (1 << i) - (1 << 32 if i == 31 else 0)
+

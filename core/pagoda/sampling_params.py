@@ -6,12 +6,14 @@ import math
 from dataclasses import dataclass, field
 
 from pagoda.errors import RequestError
+from pagoda.structured_outputs.params import StructuredOutputsParams
 
 # What torch.Generator.manual_seed and int64 tensors take; seeds outside overflowed in the sampler.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 64  # per request; the server streams with a hold-back of the longest one
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # logit_bias entries
 
 
 @dataclass
@@ -39,8 +41,15 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # logprobs of each prompt token (and the top k), from the prefill
     skip_special_tokens: bool = True
     detokenize: bool = True
+    # what the request does to its own logits (pagoda.logits_processors), and its grammar
+    logit_bias: dict[int, float] | None = None  # token id -> bias, clamped to [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these may be generated
+    bad_words: list[str] | None = None  # words that must not be generated
+    logits_processors: list[str] | None = None  # names of logits processors the engine enabled
+    structured_outputs: StructuredOutputsParams | None = None  # the output must match a grammar
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -105,11 +114,36 @@ class SamplingParams:
                     or not all(_is_int(t) and 0 <= t < top for t in self.stop_token_ids)):
                 raise bad("stop_token_ids", f"must be a list of at most {MAX_STOP_TOKEN_IDS} token ids in "
                                             f"[0, {top})")
-        if self.logprobs is not None:
-            if not _is_int(self.logprobs) or self.logprobs < 0:
-                raise bad("logprobs", "must be an integer >= 0")
-            if max_logprobs is not None and self.logprobs > max_logprobs:
-                raise bad("logprobs", f"must be at most {max_logprobs} (the engine's max_logprobs)")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                if not _is_int(value) or value < 0:
+                    raise bad(name, "must be an integer >= 0")
+                if max_logprobs is not None and value > max_logprobs:
+                    raise bad(name, f"must be at most {max_logprobs} (the engine's max_logprobs)")
+        top = vocab_size or INT64_MAX + 1
+        if self.logit_bias is not None:
+            if (not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS
+                    or not all(_is_int(t) and t >= 0 and _is_number(b) for t, b in self.logit_bias.items())):
+                raise bad("logit_bias", f"must map at most {MAX_LOGIT_BIAS} token ids to finite numbers")
+            if any(t >= top for t in self.logit_bias):
+                raise bad("logit_bias", f"holds a token id outside the vocabulary [0, {top})",
+                          code="token_out_of_vocabulary")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids
+                or not all(_is_int(t) and 0 <= t < top for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", f"must be a non-empty list of token ids in [0, {top})")
+        if self.bad_words is not None and (
+                not isinstance(self.bad_words, (list, tuple)) or len(self.bad_words) > MAX_STOP_STRINGS
+                or not all(isinstance(w, str) and w.strip() and len(w) <= MAX_STOP_CHARS for w in self.bad_words)):
+            raise bad("bad_words", f"must be at most {MAX_STOP_STRINGS} non-blank strings of at most "
+                                   f"{MAX_STOP_CHARS} characters")
+        if self.logits_processors is not None and (
+                not isinstance(self.logits_processors, (list, tuple))
+                or not all(isinstance(n, str) for n in self.logits_processors)):
+            raise bad("logits_processors", "must be a list of names")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:
@@ -121,10 +155,18 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
     @property
+    def needs_processing(self) -> bool:
+        """Whether the request changes its own logits before a token is chosen (see
+        pagoda.logits_processors; its grammar is applied apart)."""
+        return bool(self.needs_penalties or self.logit_bias or self.allowed_token_ids or self.bad_words
+                    or self.min_tokens or self.logits_processors)
+
+    @property
     def argmax_only(self) -> bool:
-        """Greedy without penalties or logprobs: the token is the argmax of the logits, so it can
-        stay on the device (steps launched ahead of the host)."""
-        return self.greedy and not self.needs_penalties and self.logprobs is None
+        """Greedy, nothing done to the logits, no logprobs, no grammar: the token is the argmax of
+        the logits, so it can stay on the device (steps launched ahead of the host)."""
+        return (self.greedy and not self.needs_processing and self.logprobs is None
+                and self.prompt_logprobs is None and self.structured_outputs is None)
 
 
 def _is_number(value: object) -> bool:

@@ -57,6 +57,16 @@ class Sequence:
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] | None = None
     output_counts: dict[int, int] | None = None  # generated token -> count, for penalties
+    # per-request logits work that needs state (pagoda.logits_processors, pagoda.structured_outputs)
+    bad_words_ids: list[list[int]] | None = None  # token sequences of the request's bad_words
+    grammar: object | None = None  # its structured-output grammar matcher, while it constrains the output
+    # (matcher, reasoning parser, where the output starts): a grammar waiting for the reasoning to end
+    pending_grammar: tuple | None = None
+    # a token the first output token may be besides the grammar's (the one opening the reasoning)
+    grammar_opening: tuple | None = None  # (token id, reasoning parser, where the output starts)
+    # the runner computes the logprob of each prompt token when this sequence prefills (prompt_logprobs:
+    # the first sequence of a request that asks; mirrored to tensor-parallel ranks)
+    wants_prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -111,6 +121,8 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     metrics: RequestMetrics | None = None
     error: str | None = None  # why the request failed inside a step (its sequences end with "error")
+    # prompt_logprobs: per prompt position, None (the first) or {token id: Logprob}, filled as prefill runs
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def __post_init__(self) -> None:
         if self.metrics is None:
@@ -123,7 +135,10 @@ class Request:
                     seq.output_counts = {}
                 if self.params.logprobs is not None:
                     seq.logprobs = []
+                seq.wants_prompt_logprobs = i == 0 and self.params.prompt_logprobs is not None
                 self.seqs.append(seq)
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
     @property
     def finished(self) -> bool:

@@ -32,8 +32,18 @@ def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None):
                              f"skip_tokenizer_init to work with token ids)") from exc
 
 
-def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                        tools: list[dict] | None = None, chat_template: str | None = None,
+                        continue_final_message: bool = False, **kwargs) -> str:
+    """The prompt text of a conversation through the model's chat template (or ``chat_template``,
+    a Jinja template that replaces it). ``tools`` (OpenAI's function definitions) and ``kwargs``
+    (``chat_template_kwargs``, e.g. ``enable_thinking=False``) reach the template as variables."""
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if tokenizer is None or not template:
         raise ModelLoadError("this model has no chat template (tokenizer_config.json chat_template or "
-                             "GGUF tokenizer.chat_template)")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+                             "GGUF tokenizer.chat_template); give one with --chat-template")
+    if continue_final_message:
+        add_generation_prompt = False
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         tools=tools or None, chat_template=template,
+                                         continue_final_message=continue_final_message, **kwargs)

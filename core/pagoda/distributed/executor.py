@@ -261,6 +261,11 @@ class TensorParallelExecutor:
         self.driver.forget(seq_id)
         self.encoder.forget(seq_id)
 
+    @property
+    def sampler(self):
+        """Rank 0 samples (the other ranks run their shard)."""
+        return self.driver.sampler
+
     def call(self, name: str, *args, **kwargs) -> list[Any]:
         """Run ``runner.<name>(*args, **kwargs)`` on every rank; the results, rank 0's first."""
         with self._collective(f"{name}()"):

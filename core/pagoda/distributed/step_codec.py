@@ -11,9 +11,9 @@ Block tables travel whole (preemption and prefix caching rewrite them). Sequence
 forgot are freed on the next step.
 
 Words: ``[n, num_decodes, num_batched_tokens, num_freed]``, then n rows of
-``(seq_id, num_computed_tokens, num_new_tokens, sample, num_prompt_tokens, num_preemptions,
-num_sent_tokens, num_blocks)``, then the sent tokens, the block tables (``num_blocks`` entries of
-each group, group 0 first) and the freed ids.
+``(seq_id, num_computed_tokens, num_new_tokens, flags, num_prompt_tokens, num_preemptions,
+num_sent_tokens, num_blocks)`` (flags: 1 = samples, 2 = wants prompt logprobs), then the sent tokens, the
+block tables (``num_blocks`` entries of each group, group 0 first) and the freed ids.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ class StepEncoder:
             new = seq.token_ids[sent:]
             if persistent:
                 self._sent[seq.seq_id] = seq.num_tokens
-            rows[i] = (seq.seq_id, seq.num_computed_tokens, it.num_new_tokens, it.sample, seq.num_prompt_tokens,
+            flags = int(it.sample) | (2 if seq.wants_prompt_logprobs else 0)
+            rows[i] = (seq.seq_id, seq.num_computed_tokens, it.num_new_tokens, flags, seq.num_prompt_tokens,
                        seq.num_preemptions, len(new), len(seq.block_table))
             tokens += new
             blocks += seq.block_table
@@ -91,7 +92,7 @@ class StepDecoder:
             self.seqs.pop(seq_id, None)
         scheduled = []
         t = b = 0
-        for seq_id, computed, num_new, sample, num_prompt, preemptions, num_sent, num_bt in rows:
+        for seq_id, computed, num_new, flags, num_prompt, preemptions, num_sent, num_bt in rows:
             sent = tokens[t:t + num_sent]
             t += num_sent
             seq = self.seqs.get(seq_id) if persistent else None
@@ -104,9 +105,10 @@ class StepDecoder:
                 seq.token_ids.extend(sent)
             seq.num_computed_tokens = computed
             seq.num_preemptions = preemptions
+            seq.wants_prompt_logprobs = bool(flags & 2)
             seq.block_table = blocks[b:b + num_bt]
             if groups > 1:
                 seq.group_block_tables = [blocks[b + g * num_bt:b + (g + 1) * num_bt] for g in range(1, groups)]
             b += num_bt * groups
-            scheduled.append(ScheduledSeq(seq, num_new, bool(sample)))
+            scheduled.append(ScheduledSeq(seq, num_new, bool(flags & 1)))
         return SchedulerOutput(scheduled, num_decodes, num_batched), freed

@@ -36,6 +36,9 @@ class NoSampling:
     def __call__(self, logits, seqs) -> SampleResult:
         return SampleResult([], [])
 
+    def prompt_logprobs(self, logits, spans) -> dict:
+        return {}
+
     def forget(self, seq_id: int) -> None:
         pass
 

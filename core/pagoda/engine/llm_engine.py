@@ -16,11 +16,12 @@ from pagoda.engine.kv_groups import blocks_for_one_sequence
 from pagoda.engine.lookahead import DecodeLookahead
 from pagoda.engine.model_runner import ModelRunner
 from pagoda.engine.pipeline import StepPipeline
+from pagoda.engine.request_controls import RequestControls
 from pagoda.errors import ConfigError, RequestError
 from pagoda.layers.rotary import rope_parameters_of, uses_sequence_length
 from pagoda.loader.model_loader import load_config
 from pagoda.loader.source import resolve_source
-from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
+from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.scheduler import Scheduler
 from pagoda.selection import select_platform
@@ -90,6 +91,9 @@ class LLMEngine:
         elif getattr(self.runner, "graphs", None) is not None:
             self.lookahead = DecodeLookahead(self)
         self.eos_token_ids = self._eos_ids()
+        self.controls = RequestControls(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids, config)
+        sampler = self.runner.sampler
+        sampler.stop_token_ids, sampler.processors = self.eos_token_ids, self.controls.processors
         self.requests: dict[str, Request] = {}
         self._counter = itertools.count()
         self.times = StepTimes()
@@ -154,7 +158,9 @@ class LLMEngine:
                                f"is {self.max_model_len}, which leaves no room for output", field="prompt")
         if params.max_tokens is not None and params.max_tokens > budget:
             params = SamplingParams(**{**_fields(params), "max_tokens": budget})
+        prepared = self.controls.prepare(params)  # a grammar that does not compile is this request's error
         request = Request(request_id, text, list(prompt_token_ids), params, arrival_time or time.time())
+        self.controls.attach(request, prepared)
         self.requests[request_id] = request
         for seq in request.seqs:
             self.scheduler.add(seq)
@@ -197,6 +203,9 @@ class LLMEngine:
             return []
         self._mark_scheduled(out)
         result = self.runner.execute(out)
+        if result.prompt_logprobs:
+            self.controls.record_prompt_logprobs(self.requests, {it.seq.seq_id: it.seq for it in out.scheduled},
+                                                 result.prompt_logprobs)
         return self._complete_step(out, result.tokens, result.logprobs, finished_only, t0, t1, failed=result.failed)
 
     def _mark_scheduled(self, out) -> None:
@@ -224,12 +233,15 @@ class LLMEngine:
                         self._record_logprob(seq, sampled[seq.seq_id], lp)
                     except Exception as exc:
                         broken[seq.request_id] = exc
+        self.controls.advance(seqs, sampled, broken)
         for rid, exc in broken.items():
             self.fail_request(rid, exc)
         if advanced:
             touched = self.scheduler.commit(out, sampled, self.eos_token_ids)
         else:
             touched = self.scheduler.update(out, sampled, self.eos_token_ids)
+        for seq in self.controls.ended(touched):  # its grammar is complete
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
         outputs = self._process_outputs(touched, finished_only, failed=list(broken))
         t3 = time.perf_counter()
         tm = self.times
@@ -245,12 +257,7 @@ class LLMEngine:
     def _record_logprob(self, seq: Sequence, token: int, lp) -> None:
         chosen, rank, top = lp
         seq.cumulative_logprob += chosen
-        entry = {tid: Logprob(val, r + 1) for r, (tid, val) in enumerate(top)}
-        entry[token] = Logprob(chosen, rank)
-        if self.tokenizer is not None:
-            for tid, item in entry.items():
-                item.decoded_token = self.tokenizer.convert_ids_to_tokens(tid)
-        seq.logprobs.append(entry)
+        seq.logprobs.append(self.controls.logprob_entry(token, chosen, rank, top))
 
     def fail_request(self, request_id: str, error: BaseException) -> None:
         """End a request that failed inside a step (a row that could not be sampled, decoded or
@@ -327,8 +334,10 @@ class LLMEngine:
                 cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
                 logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
                 finish_reason=seq.finish_reason(), stop_reason=seq.stop_reason))
+        prompt_logprobs = None if request.prompt_logprobs is None else list(request.prompt_logprobs)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                             finished, request.metrics, request.metrics.num_cached_tokens, error=request.error)
+                             finished, request.metrics, request.metrics.num_cached_tokens, error=request.error,
+                             prompt_logprobs=prompt_logprobs)
 
     def enable_step_pipeline(self) -> None:
         """Pipeline offline steps on a device that does not do it by default (tests on a CPU,

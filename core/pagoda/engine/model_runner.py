@@ -37,6 +37,7 @@ class PendingDecode:
     tokens: torch.Tensor  # [num_seqs] int64, device
     host: torch.Tensor  # pinned, [>= num_seqs]
     event: object | None  # torch.cuda.Event (None on devices whose copies are synchronous)
+PROMPT_LOGITS_ROWS = 512  # prompt positions whose logits are computed at once (prompt_logprobs)
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -201,11 +202,36 @@ class ModelRunner:
             with set_forward_context(ctx):
                 hidden = self.model(inputs.input_ids, inputs.positions)
                 logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
+                prompt = self._prompt_logprobs(out, inputs, hidden)
             self._accumulate_experts(ctx)
             seqs = inputs.sample_seqs
+            if prompt:
+                result = self.sampler(logits[: len(seqs)], seqs) if seqs else SampleResult([], [])
+                result.prompt_logprobs = prompt
+                return result
         if not seqs:
             return SampleResult([], [])
         return self.sampler(logits[: len(seqs)], seqs)
+
+    def _prompt_logprobs(self, out: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor) -> dict[int, list]:
+        """Prompt logprobs of the sequences that want them, over the prompt positions this step
+        computes: logits in slices of PROMPT_LOGITS_ROWS rows (a long prompt's [T, vocab] at once
+        would not fit), each rank computing the same slices (the logits are a collective)."""
+        found: dict[int, list] = {}
+        qsl = inputs.meta.query_start_loc_cpu
+        for i, it in enumerate(out.scheduled):
+            seq = it.seq
+            if not seq.wants_prompt_logprobs:
+                continue
+            start = seq.num_computed_tokens
+            end = min(start + it.num_new_tokens, seq.num_prompt_tokens - 1)  # position p predicts p + 1
+            for s in range(start, end, PROMPT_LOGITS_ROWS):
+                row = qsl[i] + s - start
+                count = min(PROMPT_LOGITS_ROWS, end - s)
+                logits = self.model.compute_logits(hidden[row:row + count])
+                for seq_id, entries in self.sampler.prompt_logprobs(logits, seq, s).items():
+                    found.setdefault(seq_id, []).extend(entries)
+        return found
 
     # ------------------------------------------------------------------ pipelined steps
     @torch.inference_mode()

@@ -276,6 +276,12 @@ class ReasoningParser:
         """Token ids that end the reasoning (empty when the end is not one token)."""
         return []
 
+    @property
+    def reasoning_start_token_id(self) -> int | None:
+        """The token that opens the reasoning, where it is one token (None otherwise): with an
+        ``"auto"`` start and a grammar, the first output token may be it or the grammar's."""
+        return None
+
     def initial_state(self, prompt: str | None) -> str:
         return self.default_initial
 

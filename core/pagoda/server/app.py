@@ -20,15 +20,16 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagoda.engine.async_engine import AsyncEngine
-from pagoda.server import ollama_routes, openai_routes
+from pagoda.server import chat_routes, ollama_routes, openai_routes, tokenize_routes
 from pagoda.server.config import ServerConfig
 from pagoda.server.errors import APIError, install_error_handlers, is_ollama_path
 from pagoda.server.frontend import Frontend
 from pagoda.server.metrics import CONTENT_TYPE, ServerMetrics
-from pagoda.server.openapi import served_document
+from pagoda.server.openapi import (
+    PROTECTED_PREFIXES,  # noqa: E402  (/health, /metrics, /docs stay open)
+    served_document,
+)
 from pagoda.server.responses import Health
-
-PROTECTED_PREFIXES = ("/v1/", "/api/")  # /health and /metrics stay open (probes, scrapers)
 
 
 class RequestGuard:
@@ -61,7 +62,7 @@ class RequestGuard:
             if refusal is not None:
                 await self.reply(scope, refusal, counting_send)
                 return
-            await self.app(scope, self.limited(receive), counting_send)
+            await self.app(_json_body(scope), self.limited(receive), counting_send)
         finally:
             self.metrics.http_requests.labels(scope["method"], self.route_label(scope), str(status["code"])).inc()
 
@@ -123,6 +124,18 @@ class BodyTooLarge(StarletteHTTPException):
         super().__init__(413, f"the request body is larger than max_request_bytes={max_bytes}")
 
 
+def _json_body(scope: Scope) -> Scope:
+    """Ollama reads a body as JSON whatever its Content-Type (curl -d sends form encoding): so
+    does /api/ here; a body that is no JSON is then a 400 saying so."""
+    if scope["method"] != "POST" or not is_ollama_path(scope["path"]):
+        return scope
+    content_type = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
+    if content_type == "application/json":
+        return scope
+    headers = [(k, v) for k, v in scope.get("headers", []) if k != b"content-type"]
+    return {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+
+
 def _header(scope: Scope, name: bytes) -> str | None:
     for key, value in scope.get("headers", []):
         if key == name:
@@ -148,6 +161,7 @@ def model_info(async_engine: AsyncEngine) -> dict:
     mtime = max((p.stat().st_mtime for p in files), default=time.time())
     return {"format": engine.source.kind if engine.source.kind == "gguf" else "safetensors",
             "family": getattr(engine.hf_config, "model_type", "unknown"), "parameter_size": size,
+            "parameter_count": params,
             "size": sum(p.stat().st_size for p in files),
             "modified_at": datetime.fromtimestamp(mtime, timezone.utc).isoformat().replace("+00:00", "Z")}
 
@@ -173,6 +187,8 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig | None = None) ->
     app.state.model_info = model_info(async_engine)
     install_error_handlers(app)
     app.include_router(openai_routes.router)
+    app.include_router(chat_routes.router)
+    app.include_router(tokenize_routes.router)
     app.include_router(ollama_routes.router)
 
     @app.get("/health", response_model=Health, responses={
@@ -202,7 +218,8 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig | None = None) ->
 
     app.openapi = openapi
     # (FastAPI keeps included routers as wrappers in app.routes: list their routes directly)
-    routes = [r for r in (*openai_routes.router.routes, *ollama_routes.router.routes, *app.routes)
+    routes = [r for r in (*openai_routes.router.routes, *chat_routes.router.routes, *ollama_routes.router.routes,
+                          *tokenize_routes.router.routes, *app.routes)
               if hasattr(r, "path")]
     app.add_middleware(RequestGuard, config=config, metrics=metrics, async_engine=async_engine, routes=routes)
     if config.cors_allow_origins:

@@ -40,6 +40,15 @@ class ServerConfig(BaseModel):
                                     "finish before they are aborted")
     max_request_bytes: int = Field(8 << 20, gt=0, description="largest request body; a larger one gets 413")
     access_log: bool = Field(False, description="log every HTTP request (uvicorn access log)")
+    chat_template: str | None = Field(None, description="a Jinja chat template (a file, or the template itself) "
+                                      "used instead of the model's")
+    default_chat_template_kwargs: dict = Field(default_factory=dict, description="variables every chat request "
+                                               "passes its chat template, e.g. {enable_thinking: false}; a "
+                                               "request's chat_template_kwargs override them")
+    tool_call_parser: str | None = Field("auto", description="how tool calls are read from the output (hermes, "
+                                         "llama3_json, mistral, deepseek_v3, pythonic, a plugin's); auto: from "
+                                         "the chat template, else hermes; none: tools only with a forcing "
+                                         "tool_choice")
 
     @model_validator(mode="before")
     @classmethod
@@ -50,6 +59,19 @@ class ServerConfig(BaseModel):
             if key is not None:
                 data["api_keys"] = [*_as_list(data.get("api_keys")), *_as_list(key)]
         return data
+
+    @field_validator("default_chat_template_kwargs", mode="before")
+    @classmethod
+    def _json_mapping(cls, v: Any) -> Any:
+        # a JSON object from an environment variable or a flag
+        if isinstance(v, str):
+            import json
+
+            try:
+                v = json.loads(v)
+            except ValueError as exc:
+                raise ValueError(f"must be a JSON object: {exc}") from None
+        return v
 
     @field_validator("api_keys", "cors_allow_origins", mode="before")
     @classmethod

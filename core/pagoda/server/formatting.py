@@ -90,11 +90,30 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]],
     for tid, entry in zip(token_ids, entries):
         tok = text(tid)
         tokens.append(tok)
+        offsets.append(offset)
+        offset += len(tok)
+        if entry is None:  # the first prompt token (echo): nothing before it to predict it
+            token_logprobs.append(None)
+            top.append(None)
+            continue
         token_logprobs.append(entry[tid].logprob)
         alternatives: dict[str, float] = {}
         for t, lp in _top(entry, k):  # tokens that decode alike (partial UTF-8) keep the likelier one
             alternatives.setdefault(text(t), lp.logprob)
         top.append(alternatives)
-        offsets.append(offset)
-        offset += len(tok)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def merge_logprobs(first: dict, second: dict) -> dict:
+    """Two runs of completion logprobs (the echoed prompt's, then the output's) as one."""
+    return {key: first[key] + second[key] for key in first}
+
+
+def prompt_logprobs_json(entries: list | None) -> list | None:
+    """vLLM's ``prompt_logprobs``: per prompt token, null (the first) or {token id: {logprob, rank,
+    decoded_token}}."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                                    for t, lp in e.items()} for e in entries]
+

@@ -16,6 +16,7 @@ from pagoda.engine.async_engine import AsyncEngine, RequestStream, RequestTimeou
 from pagoda.errors import ModelLoadError, RequestError
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
+from pagoda.selection import get_tool_parser, select_reasoning_parser, select_tool_parser
 from pagoda.server.config import ServerConfig
 from pagoda.server.errors import APIError, bad_request
 from pagoda.server.formatting import TokenText
@@ -55,6 +56,12 @@ class Frontend:
         self.max_model_len = engine.max_model_len
         self.created = int(time.time())
         self.token_text = TokenText(self.tokenizer)
+        self.chat_template = read_chat_template(config.chat_template)
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        self.tool_parser = select_tool_parser(config.tool_call_parser, template)
+        if self.tool_parser is None and config.tool_call_parser == "auto":
+            self.tool_parser = get_tool_parser("hermes")  # the common open format, when the template says nothing
+        self.reasoning_parser = select_reasoning_parser(engine.config.reasoning_parser, template)
         self.limits = ServedLimits.of(engine, self.model_name)
 
     # ------------------------------------------------------------------ request checks
@@ -91,10 +98,20 @@ class Frontend:
             raise bad_request("the prompt tokenizes to no tokens", param=param, code="invalid_prompt")
         return ids
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    param: str = "messages") -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, param: str = "messages",
+                    tools: list[dict] | None = None, chat_template: str | None = None,
+                    chat_template_kwargs: dict | None = None, continue_final_message: bool = False) -> str:
+        """The prompt text of a conversation: the request's chat_template, else the server's, else the
+        model's; the server's default_chat_template_kwargs under the request's."""
+        kwargs = {**self.config.default_chat_template_kwargs, **(chat_template_kwargs or {})}
+        for reserved in ("messages", "tools", "add_generation_prompt", "chat_template", "continue_final_message",
+                         "tokenize", "conversation"):
+            if reserved in kwargs:
+                raise bad_request(f"chat_template_kwargs may not set {reserved!r}", param="chat_template_kwargs")
         try:
-            return apply_chat_template(self.tokenizer, messages, add_generation_prompt)
+            return apply_chat_template(self.tokenizer, messages, add_generation_prompt, tools=tools,
+                                       chat_template=chat_template or self.chat_template,
+                                       continue_final_message=continue_final_message, **kwargs)
         except ModelLoadError as exc:
             raise bad_request(f"{exc}; use the completions endpoint with a plain prompt", param=param,
                               code="chat_template_error") from exc
@@ -103,9 +120,18 @@ class Frontend:
                               code="chat_template_error") from exc
 
     def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True,
-                        param: str = "messages") -> tuple[str, list[int]]:
-        text = self.render_chat(messages, add_generation_prompt, param)
+                        param: str = "messages", **template_options) -> tuple[str, list[int]]:
+        text = self.render_chat(messages, add_generation_prompt, param, **template_options)
         return text, self.encode(text, add_special_tokens=False, param=param)  # the template has BOS
+
+    async def compile_grammar(self, params, field: str) -> None:
+        """Compile a request's grammar off the engine loop (cached); one that does not compile is a
+        400 naming ``field`` before the request is queued."""
+        manager = self.async_engine.engine.controls.structured_outputs
+        try:
+            await asyncio.wrap_future(manager.compile_async(params, field))
+        except RequestError as exc:
+            raise bad_request(str(exc), param=exc.field, code=exc.code) from exc
 
     def max_tokens(self, prompt_len: int, requested: int | None, param: str, prompt_param: str,
                    default: int | None = None) -> int:
@@ -238,3 +264,19 @@ async def merge(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, obje
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """``chat_template``: a file's contents, or the template itself (one with Jinja markup)."""
+    if not value:
+        return None
+    from pathlib import Path
+
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{%" in value or "{{" in value:
+        return value
+    from pagoda.errors import ConfigError
+
+    raise ConfigError(f"chat_template {value!r} (--chat-template) is neither a file nor a Jinja template")

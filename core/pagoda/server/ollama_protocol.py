@@ -10,9 +10,11 @@ from pydantic import BaseModel, BeforeValidator, Field
 from pydantic.json_schema import SkipJsonSchema
 
 from pagoda.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
+from pagoda.server.chat_protocol import MAX_TOOLS, Tool
 from pagoda.server.errors import bad_request
 from pagoda.server.openapi import limit
 from pagoda.server.protocol import MAX_MESSAGES, MAX_NAME_CHARS, STRICT, Int, Seed, TokenId, integral
+from pagoda.structured_outputs import StructuredOutputsParams
 
 NumPredict = (Annotated[Literal[-1, -2], BeforeValidator(integral)]
               | Annotated[Int, Field(ge=1, json_schema_extra=limit("output_tokens"))])
@@ -48,12 +50,26 @@ class OllamaBase(BaseModel):
     model: str = Field(max_length=MAX_NAME_CHARS, json_schema_extra=limit("model"))
     stream: bool = True
     options: OllamaOptions = Field(default_factory=OllamaOptions)
-    format: SkipJsonSchema[Any] = None
+    format: Literal["", "json"] | dict[str, Any] | None = Field(None, description='"json", or a JSON schema the '
+                                                               'output must match')
     keep_alive: int | float | str | None = Field(None, description="accepted and ignored (the model stays loaded)")
+    think: bool | Literal["low", "medium", "high"] | None = Field(
+        None, description="thinking models: false switches thinking off (the template's enable_thinking), a level "
+        "sets reasoning_effort")
 
     def check_unsupported(self) -> None:
-        if self.format:
-            raise bad_request("format (structured output) is not supported by pagoda", param="format")
+        pass
+
+    def structured_params(self) -> StructuredOutputsParams | None:
+        if not self.format:
+            return None
+        return StructuredOutputsParams(json_object=True) if self.format == "json" else \
+            StructuredOutputsParams(json=self.format)
+
+    def template_kwargs(self) -> dict:
+        if self.think is None:
+            return {}
+        return {"enable_thinking": self.think} if isinstance(self.think, bool) else {"reasoning_effort": self.think}
 
 
 class OllamaGenerateRequest(OllamaBase):
@@ -66,7 +82,6 @@ class OllamaGenerateRequest(OllamaBase):
     images: SkipJsonSchema[list[str] | None] = None
 
     def check_unsupported(self) -> None:
-        super().check_unsupported()
         if self.template:
             raise bad_request("a custom template is not supported (pagoda uses the model's chat template)",
                               param="template")
@@ -74,21 +89,48 @@ class OllamaGenerateRequest(OllamaBase):
             raise bad_request("images are not supported by pagoda", param="images")
 
 
+class OllamaFunctionCall(BaseModel):
+    model_config = STRICT
+    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class OllamaToolCall(BaseModel):
+    model_config = STRICT
+    function: OllamaFunctionCall
+
+
 class OllamaMessage(BaseModel):
     model_config = STRICT
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
+    thinking: str | None = None
+    tool_calls: Annotated[list[OllamaToolCall], Field(max_length=MAX_TOOLS)] | None = None
+    tool_name: str | None = Field(None, max_length=MAX_NAME_CHARS, description="tool messages: the called tool")
     images: SkipJsonSchema[list[str] | None] = None
+
+    def for_template(self) -> dict:
+        entry: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            entry["tool_calls"] = [{"type": "function", "function": c.function.model_dump()} for c in self.tool_calls]
+        if self.tool_name is not None:
+            entry["name"] = self.tool_name
+        return entry
 
 
 class OllamaChatRequest(OllamaBase):
     messages: list[OllamaMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    tools: SkipJsonSchema[list[dict[str, Any]] | None] = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
 
     def check_unsupported(self) -> None:
-        super().check_unsupported()
-        if self.tools:
-            raise bad_request("tools are not supported by pagoda", param="tools")
         for i, m in enumerate(self.messages):
             if m.images:
                 raise bad_request("images are not supported by pagoda", param=f"messages[{i}].images")
+
+
+class OllamaShowRequest(BaseModel):
+    model_config = STRICT
+    model: str | None = Field(None, max_length=MAX_NAME_CHARS, json_schema_extra=limit("model"))
+    name: str | None = Field(None, max_length=MAX_NAME_CHARS, json_schema_extra=limit("model"),
+                             description="older clients' name of model")
+    verbose: bool = False

@@ -1,4 +1,5 @@
-"""Ollama-compatible routes: /api/generate, /api/chat (NDJSON streams), /api/tags, /api/version.
+"""Ollama-compatible routes: /api/generate, /api/chat (NDJSON streams), /api/tags, /api/show,
+/api/ps, /api/version.
 
 Errors on these routes use Ollama's format, ``{"error": "message"}``. Durations are in
 nanoseconds, as Ollama reports them.
@@ -18,12 +19,20 @@ from fastapi.responses import JSONResponse, Response
 import pagoda
 from pagoda.engine.async_engine import RequestStream
 from pagoda.outputs import RequestOutput
+from pagoda.server.chat_output import ChatOutput
 from pagoda.server.errors import APIError, to_api_error
 from pagoda.server.formatting import DeltaTracker
 from pagoda.server.frontend import ClientDisconnected, Frontend, RequestStreamingResponse
-from pagoda.server.ollama_protocol import OllamaBase, OllamaChatRequest, OllamaGenerateRequest
-from pagoda.server.openapi import GENERATION_ERRORS, READ_ERRORS, error_responses, json_or_stream
-from pagoda.server.responses import OllamaChatResponse, OllamaGenerateResponse, OllamaTags, OllamaVersion
+from pagoda.server.ollama_protocol import OllamaBase, OllamaChatRequest, OllamaGenerateRequest, OllamaShowRequest
+from pagoda.server.openapi import BODY_ERRORS, GENERATION_ERRORS, READ_ERRORS, error_responses, json_or_stream
+from pagoda.server.responses import (
+    OllamaChatResponse,
+    OllamaGenerateResponse,
+    OllamaProcesses,
+    OllamaShow,
+    OllamaTags,
+    OllamaVersion,
+)
 
 router = APIRouter()
 
@@ -49,10 +58,8 @@ async def version() -> dict:
 async def tags(request: Request) -> dict:
     fe = frontend(request)
     info = request.app.state.model_info
-    return {"models": [{
-        "name": fe.model_name, "model": fe.model_name, "modified_at": info["modified_at"], "size": info["size"],
-        "digest": "", "details": {"format": info["format"], "family": info["family"], "families": [info["family"]],
-                                  "parameter_size": info["parameter_size"], "quantization_level": ""}}]}
+    return {"models": [{"name": fe.model_name, "model": fe.model_name, "modified_at": info["modified_at"],
+                        "size": info["size"], "digest": "", "details": model_details(info)}]}
 
 
 # SamplingParams names -> Ollama's, for errors
@@ -76,19 +83,18 @@ async def generate(body: OllamaGenerateRequest, request: Request) -> Response:
     if not body.prompt and not body.context:  # Ollama's "load the model" call
         return JSONResponse({"model": body.model, "created_at": now_iso(), "response": "", "done": True,
                              "done_reason": "load"})
-    has_template = fe.tokenizer is not None and getattr(fe.tokenizer, "chat_template", None)
+    has_template = fe.tokenizer is not None and (fe.chat_template or getattr(fe.tokenizer, "chat_template", None))
     if body.raw or not has_template:
         text = (body.system + "\n" if body.system and not body.raw else "") + body.prompt
         ids = fe.encode(text, add_special_tokens=not body.context, param="prompt", allow_empty=bool(body.context))
     else:
         messages = ([{"role": "system", "content": body.system}] if body.system else [])
         messages.append({"role": "user", "content": body.prompt})
-        text, ids = fe.chat_prompt_ids(messages, param="prompt")
+        text, ids = fe.chat_prompt_ids(messages, param="prompt", chat_template_kwargs=body.template_kwargs())
     ids = list(body.context or []) + ids
-    params = fe.sampling_params(body.options.sampling_params, max_tokens=max_tokens(fe, body, len(ids), "prompt"),
-                                rename=OPTION_NAMES)
-    stream = await fe.submit(ids, params, text, prefix="ollama")
-    return await respond(fe, request, body, stream, chat=False)
+    output = ChatOutput(fe.tokenizer, fe.reasoning_parser, None, None, False, text)
+    stream = await submit(fe, body, ids, text, output, "prompt")
+    return await respond(fe, request, body, stream, output, chat=False)
 
 
 @router.post("/api/chat", response_model=None, responses={
@@ -97,20 +103,84 @@ async def generate(body: OllamaGenerateRequest, request: Request) -> Response:
 async def chat(body: OllamaChatRequest, request: Request) -> Response:
     fe = frontend(request)
     fe.check_request(body)
-    messages = [{"role": m.role, "content": m.content} for m in body.messages]
-    text, ids = fe.chat_prompt_ids(messages)
-    params = fe.sampling_params(body.options.sampling_params,
-                                max_tokens=max_tokens(fe, body, len(ids), "messages"), rename=OPTION_NAMES)
-    stream = await fe.submit(ids, params, text, prefix="ollama")
-    return await respond(fe, request, body, stream, chat=True)
+    tools = [t.model_dump() for t in body.tools] if body.tools else None
+    text, ids = fe.chat_prompt_ids([m.for_template() for m in body.messages], tools=tools,
+                                   chat_template_kwargs=body.template_kwargs())
+    output = ChatOutput(fe.tokenizer, fe.reasoning_parser, fe.tool_parser if tools else None, tools, False, text)
+    stream = await submit(fe, body, ids, text, output, "messages")
+    return await respond(fe, request, body, stream, output, chat=True)
 
 
-def piece(body: OllamaBase, text: str, chat: bool) -> dict:
-    out = {"model": body.model, "created_at": now_iso()}
-    if chat:
-        out["message"] = {"role": "assistant", "content": text}
-    else:
-        out["response"] = text
+@router.post("/api/show", response_model=OllamaShow, responses=error_responses(*BODY_ERRORS, ollama=True))
+async def show(body: OllamaShowRequest, request: Request) -> dict:
+    fe = frontend(request)
+    fe.check_model(body.model or body.name)
+    info = request.app.state.model_info
+    engine = fe.async_engine.engine
+    arch = info["family"]
+    capabilities = ["completion"] + (["tools"] if fe.tool_parser is not None else []) + \
+        (["thinking"] if fe.reasoning_parser is not None else [])
+    return {"modelfile": f"FROM {engine.source.path}\n", "parameters": "", "license": "",
+            "template": fe.chat_template or getattr(fe.tokenizer, "chat_template", None) or "",
+            "details": model_details(info), "modified_at": info["modified_at"], "capabilities": capabilities,
+            "model_info": {"general.architecture": arch, "general.parameter_count": info["parameter_count"],
+                           f"{arch}.context_length": fe.max_model_len,
+                           f"{arch}.vocab_size": engine.hf_config.vocab_size}}
+
+
+@router.get("/api/ps", response_model=OllamaProcesses, responses=error_responses(*READ_ERRORS, ollama=True))
+async def ps(request: Request) -> dict:
+    fe = frontend(request)
+    info = request.app.state.model_info
+    return {"models": [{"name": fe.model_name, "model": fe.model_name, "size": info["size"], "digest": "",
+                        "details": model_details(info), "expires_at": "9999-12-31T23:59:59Z",
+                        "size_vram": info["size"] if fe.async_engine.engine.platform.name != "cpu" else 0,
+                        "context_length": fe.max_model_len}]}
+
+
+def model_details(info: dict) -> dict:
+    return {"format": info["format"], "family": info["family"], "families": [info["family"]],
+            "parameter_size": info["parameter_size"], "quantization_level": ""}
+
+
+async def submit(fe: Frontend, body: OllamaBase, ids: list[int], text: str, output: ChatOutput, prompt_param: str):
+    grammar = body.structured_params()
+    if grammar is not None:
+        await fe.compile_grammar(grammar, "format")
+    params = fe.sampling_params(body.options.sampling_params, max_tokens=max_tokens(fe, body, len(ids), prompt_param),
+                                rename=OPTION_NAMES)
+    params.structured_outputs = grammar
+    if output.needs_special_tokens:
+        params.skip_special_tokens = False
+    return await fe.submit(ids, params, text, prefix="ollama")
+
+
+def reply(body: OllamaBase, message: dict, chat: bool) -> dict:
+    """A reply object's text part: Ollama's message (content, thinking, tool calls with arguments
+    as objects), or response (and thinking) for /api/generate."""
+    out: dict = {"model": body.model, "created_at": now_iso()}
+    if not chat:
+        out["response"] = message.get("content") or ""
+        if message.get("reasoning_content"):
+            out["thinking"] = message["reasoning_content"]
+        return out
+    content = message.get("content") or ""
+    msg: dict = {"role": "assistant", "content": content}
+    if message.get("reasoning_content"):
+        msg["thinking"] = message["reasoning_content"]
+    calls = []
+    for call in message.get("tool_calls") or ():
+        try:
+            arguments = json.loads(call["function"]["arguments"] or "{}")
+        except ValueError:
+            arguments = None
+        if isinstance(arguments, dict):
+            calls.append({"function": {"name": call["function"]["name"], "arguments": arguments}})
+        else:  # Ollama's calls carry objects: a call whose arguments are no JSON object stays text
+            msg["content"] += call["function"]["arguments"]
+    if calls:
+        msg["tool_calls"] = calls
+    out["message"] = msg
     return out
 
 
@@ -130,32 +200,47 @@ def final_fields(out: RequestOutput, start: float, chat: bool) -> dict:
     return fields
 
 
-async def respond(fe: Frontend, request: Request, body: OllamaBase, stream: RequestStream, chat: bool) -> Response:
+async def respond(fe: Frontend, request: Request, body: OllamaBase, stream: RequestStream, output: ChatOutput,
+                  chat: bool) -> Response:
     start = time.monotonic()
     if not body.stream:
         try:
             (out,) = await fe.collect(request, [stream])
         except ClientDisconnected:
             return Response(status_code=499)
-        return JSONResponse({**piece(body, out.outputs[0].text, chat), **final_fields(out, start, chat)})
-    return RequestStreamingResponse(ndjson(fe, body, stream, chat, start), [stream],
+        message, _ = output.message(out.outputs[0].text)
+        return JSONResponse({**reply(body, message, chat), **final_fields(out, start, chat)})
+    return RequestStreamingResponse(ndjson(fe, body, stream, output, chat, start), [stream],
                                     media_type="application/x-ndjson")
 
 
-async def ndjson(fe: Frontend, body: OllamaBase, stream: RequestStream, chat: bool,
+async def ndjson(fe: Frontend, body: OllamaBase, stream: RequestStream, output: ChatOutput, chat: bool,
                  start: float) -> AsyncIterator[str]:
-    stops = body.options.stop or []
-    tracker = DeltaTracker.for_stops(stops)
+    """Text as it comes (content and thinking pieces); tool calls once complete, before the last object."""
+    tracker = DeltaTracker.for_stops(body.options.stop or [])
+    reader = output.stream()
+    calls: dict[int, dict] = {}
     final = None
     try:
         async with contextlib.aclosing(fe.follow(stream)) as outputs:
             async for out in outputs:
-                text, _, _ = tracker.delta(out.outputs[0])
-                if text:
-                    yield json.dumps(piece(body, text, chat), ensure_ascii=False) + "\n"
                 final = out
+                c = out.outputs[0]
+                text, _, _ = tracker.delta(c)
+                done = c.finish_reason is not None
+                for delta in reader.feed(text, done) if text or done else []:
+                    if "tool_calls" in delta:
+                        for d in delta["tool_calls"]:
+                            call = calls.setdefault(d["index"], {"function": {"name": "", "arguments": ""}})
+                            call["function"]["name"] = d["function"].get("name") or call["function"]["name"]
+                            call["function"]["arguments"] += d["function"]["arguments"]
+                    else:
+                        yield json.dumps(reply(body, delta, chat), ensure_ascii=False) + "\n"
         if final is None or not final.finished:
             raise APIError(503, "the request was aborted before it finished")
-        yield json.dumps({**piece(body, "", chat), **final_fields(final, start, chat)}) + "\n"
+        if calls:
+            yield json.dumps(reply(body, {"tool_calls": [calls[i] for i in sorted(calls)]}, chat),
+                             ensure_ascii=False) + "\n"
+        yield json.dumps({**reply(body, {}, chat), **final_fields(final, start, chat)}) + "\n"
     except Exception as exc:
         yield json.dumps(to_api_error(exc).body(ollama=True)) + "\n"

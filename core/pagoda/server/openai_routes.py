@@ -1,4 +1,5 @@
-"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (streamed as SSE)."""
+"""OpenAI-compatible routes: /v1/models and /v1/completions (streamed as SSE); the helpers chat
+completions (``chat_routes``) share."""
 
 from __future__ import annotations
 
@@ -14,18 +15,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pagoda.engine.async_engine import RequestStream
 from pagoda.outputs import RequestOutput
 from pagoda.server.errors import APIError, to_api_error
-from pagoda.server.formatting import DeltaTracker, chat_logprobs, completion_logprobs, usage_sum
+from pagoda.server.formatting import (
+    DeltaTracker,
+    completion_logprobs,
+    merge_logprobs,
+    prompt_logprobs_json,
+    usage_sum,
+)
 from pagoda.server.frontend import ClientDisconnected, Frontend, RequestStreamingResponse, merge
 from pagoda.server.openapi import GENERATION_ERRORS, READ_ERRORS, error_responses, json_or_stream
-from pagoda.server.protocol import ChatCompletionRequest, CompletionRequest
-from pagoda.server.responses import (
-    ChatCompletionChunk,
-    ChatCompletionResponse,
-    CompletionChunk,
-    CompletionResponse,
-    ModelCard,
-    ModelList,
-)
+from pagoda.server.protocol import CompletionRequest
+from pagoda.server.responses import CompletionChunk, CompletionResponse, ModelCard, ModelList
 
 router = APIRouter()
 
@@ -79,6 +79,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     fe = frontend(request)
     fe.check_request(body)
     prompts = body.prompts(fe.limits.max_n)
+    grammar = None if body.structured_outputs is None else body.structured_outputs.params()
+    if grammar is not None:
+        await fe.compile_grammar(grammar, f"structured_outputs.{grammar.field()}")
     items = []
     for i, prompt in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
@@ -87,7 +90,10 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         else:
             text, ids = None, list(prompt)
         max_tokens = fe.max_tokens(len(ids), body.max_tokens, "max_tokens", param, default=16)
-        params = fe.sampling_params(body.sampling_params, max_tokens=max_tokens, logprobs=body.logprobs)
+        params = fe.sampling_params(body.sampling_params, max_tokens=max_tokens, logprobs=body.logprobs,
+                                    structured_outputs=grammar)
+        if body.echo and body.logprobs is not None:  # the prompt's own logprobs, from the prefill
+            params.prompt_logprobs = max(body.logprobs, params.prompt_logprobs or 0)
         items.append((text, ids, params))
     streams = await submit_all(fe, items, "cmpl")
     rid = f"cmpl-{uuid.uuid4().hex}"
@@ -101,14 +107,24 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     choices = []
     for p, out in enumerate(outs):
         for c in out.outputs:
-            logprobs = None
-            if body.logprobs is not None:
-                logprobs = completion_logprobs(c.token_ids, c.logprobs or [], body.logprobs, fe.token_text,
-                                               len(echo[p]))
-            choices.append({"index": p * body.n + c.index, "text": echo[p] + c.text, "logprobs": logprobs,
-                            "finish_reason": c.finish_reason})
+            choice = {"index": p * body.n + c.index, "text": echo[p] + c.text,
+                      "logprobs": choice_logprobs(fe, body, out, c, echo[p]), "finish_reason": c.finish_reason}
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+            choices.append(choice)
     return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()), "model": fe.model_name,
                          "choices": choices, "usage": usage_sum(outs)})
+
+
+def choice_logprobs(fe: Frontend, body: CompletionRequest, out: RequestOutput, c, echo: str) -> dict | None:
+    """A choice's logprobs: the output's, after the echoed prompt's (whose first entry is null)."""
+    if body.logprobs is None:
+        return None
+    generated = completion_logprobs(c.token_ids, c.logprobs or [], body.logprobs, fe.token_text, len(echo))
+    if not body.echo or out.prompt_logprobs is None:
+        return generated
+    prompt = completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, body.logprobs, fe.token_text, 0)
+    return merge_logprobs(prompt, generated)
 
 
 def echo_text(fe: Frontend, text: str | None, ids: list[int]) -> str:
@@ -130,14 +146,23 @@ async def completion_events(fe: Frontend, body: CompletionRequest, streams: list
         return sse({"id": rid, "object": "text_completion", "created": created, "model": fe.model_name,
                     "choices": [choice], **usage_field})
 
-    if body.echo:
+    echoed: set[int] = set()  # prompts whose echo went out (with logprobs it waits for the prefill's)
+    if body.echo and body.logprobs is None:
         for p, text in enumerate(echo):
+            echoed.add(p)
             for i in range(body.n):
                 yield chunk({"index": p * body.n + i, "text": text, "logprobs": None, "finish_reason": None})
     async with contextlib.aclosing(merge([fe.follow(s) for s in streams])) as events:
         async for p, out in events:
             if out.finished:
                 finals[p] = out
+            if body.echo and p not in echoed:
+                echoed.add(p)
+                logprobs = completion_logprobs(out.prompt_token_ids, out.prompt_logprobs or [], body.logprobs,
+                                               fe.token_text, 0)
+                for i in range(body.n):
+                    yield chunk({"index": p * body.n + i, "text": echo[p], "logprobs": logprobs,
+                                 "finish_reason": None})
             for c in out.outputs:
                 key = (p, c.index)
                 if key in finished:
@@ -180,72 +205,3 @@ def event_stream(events: AsyncIterator[str], streams: list[RequestStream]) -> St
 
     return RequestStreamingResponse(body(), streams, media_type="text/event-stream",
                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-# ---------------------------------------------------------------------------- chat
-@router.post("/v1/chat/completions", response_model=None, responses={
-    200: json_or_stream(ChatCompletionResponse, "text/event-stream", SSE, ChatCompletionChunk),
-    **error_responses(*GENERATION_ERRORS)})
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    fe = frontend(request)
-    fe.check_request(body)
-    text, ids = fe.chat_prompt_ids(body.conversation(), body.add_generation_prompt)
-    requested, param = body.requested_max_tokens()
-    max_tokens = fe.max_tokens(len(ids), requested, param, "messages")
-    params = fe.sampling_params(body.sampling_params, max_tokens=max_tokens, logprobs=body.num_logprobs(),
-                                rename={"logprobs": "top_logprobs"})
-    stream = await fe.submit(ids, params, text, prefix="chatcmpl")
-    rid = stream.request_id
-    if body.stream:
-        return event_stream(chat_events(fe, body, stream, rid), [stream])
-    try:
-        (out,) = await fe.collect(request, [stream])
-    except ClientDisconnected:
-        return Response(status_code=499)
-    choices = []
-    for c in out.outputs:
-        logprobs = None
-        if body.logprobs:
-            logprobs = chat_logprobs(c.token_ids, c.logprobs or [], body.top_logprobs or 0, fe.token_text)
-        choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": logprobs, "finish_reason": c.finish_reason})
-    return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
-                         "model": fe.model_name, "choices": choices, "usage": usage_sum([out])})
-
-
-async def chat_events(fe: Frontend, body: ChatCompletionRequest, stream: RequestStream,
-                      rid: str) -> AsyncIterator[str]:
-    created = int(time.time())
-    tracker = DeltaTracker.for_stops(_stops(body.stop))
-    usage_field = {"usage": None} if body.include_usage else {}
-    final = None
-
-    def chunk(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> str:
-        return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": fe.model_name,
-                    "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
-                    **usage_field})
-
-    for i in range(body.n):
-        yield chunk(i, {"role": "assistant", "content": ""})
-    finished: set[int] = set()
-    async with contextlib.aclosing(fe.follow(stream)) as outputs:
-        async for out in outputs:
-            final = out
-            for c in out.outputs:
-                if c.index in finished:
-                    continue
-                text, new_ids, first = tracker.delta(c)
-                logprobs = None
-                if body.logprobs and new_ids:
-                    logprobs = chat_logprobs(new_ids, (c.logprobs or [])[first:], body.top_logprobs or 0,
-                                             fe.token_text)
-                if text or logprobs:
-                    yield chunk(c.index, {"content": text}, logprobs=logprobs)
-                if c.finish_reason is not None:
-                    finished.add(c.index)
-                    yield chunk(c.index, {}, finish=c.finish_reason)
-    if final is None or not final.finished:
-        raise APIError(503, "the request was aborted before it finished", code="aborted")
-    if body.include_usage:
-        yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": fe.model_name,
-                   "choices": [], "usage": usage_sum([final])})

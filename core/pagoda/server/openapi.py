@@ -20,6 +20,8 @@ from pydantic import BaseModel, Field
 from pagoda.errors import RequestError
 
 LIMIT_KEY = "x-pagoda-limit"
+# routes behind the API keys (and the draining/engine-failure refusals); /health, /metrics, /docs stay open
+PROTECTED_PREFIXES = ("/v1/", "/api/", "/tokenize", "/detokenize")
 
 
 def limit(kind: str) -> dict[str, str]:
@@ -38,11 +40,12 @@ class ServedLimits:
     max_model_len: int
     max_n: int
     max_logprobs: int
+    logits_processors: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, engine, model_name: str) -> ServedLimits:
         return cls((model_name, f"{model_name}:latest"), engine.hf_config.vocab_size, engine.max_model_len,
-                   engine.config.max_n, engine.config.max_logprobs)
+                   engine.config.max_n, engine.config.max_logprobs, tuple(sorted(engine.controls.processors)))
 
     def apply(self, node: Any) -> None:
         """Replace every limit mark in a JSON-schema tree (in place)."""
@@ -97,6 +100,9 @@ class ServedLimits:
         if kind in ("model", "seed"):  # an unknown model is a 404 (check_model); seeds are static bounds
             return
         bound = _LIMITS[kind](self)
+        if "enum" in bound and value not in bound["enum"]:
+            raise RequestError(f"{param}={value!r} is not one of this server's {', '.join(bound['enum']) or 'none'} "
+                               f"({_WHY[kind]})", field=param)
         if "maximum" in bound and isinstance(value, int) and value > bound["maximum"]:
             raise RequestError(f"{param}={value} is over this server's limit of {bound['maximum']} ({_WHY[kind]})",
                                field=param)
@@ -130,7 +136,8 @@ _WHY = {"token_id": "the model's vocabulary size - 1", "top_k": "the model's voc
         "n": "the engine's max_n", "prompts": "the engine's max_n, completions per request",
         "logprobs": "the engine's max_logprobs",
         "output_tokens": "the model's context, max_model_len, less one prompt token",
-        "prompt_tokens": "the model's context, max_model_len, less one output token"}
+        "prompt_tokens": "the model's context, max_model_len, less one output token",
+        "logits_processor": "the engine key logits_processors"}
 
 
 def _typed_branches(node: dict, types: tuple[str, ...]) -> list[dict]:
@@ -154,6 +161,7 @@ _LIMITS = {
     "prompt_tokens": lambda lim: {"maxItems": lim.max_model_len - 1},
     "model": lambda lim: {"enum": list(lim.model_names)},
     "seed": lambda lim: {"minimum": -(2**63), "maximum": 2**63 - 1},  # exact (a float cannot hold 2**63 - 1)
+    "logits_processor": lambda lim: {"enum": list(lim.logits_processors)},
 }
 
 
@@ -180,12 +188,14 @@ class OllamaError(BaseModel):
 
 
 # Codes of 400s that a schema cannot express (relations between fields, or with the prompt's tokens).
-SEMANTIC_400_CODES = ("context_length_exceeded", "invalid_combination", "chat_template_error", "invalid_prompt")
+SEMANTIC_400_CODES = ("context_length_exceeded", "invalid_combination", "chat_template_error", "invalid_prompt",
+                      "invalid_grammar", "token_out_of_vocabulary")
 
 ERROR_STATUSES = {
     400: "Invalid request: a field of the wrong type or out of range (`param` names it), or one of the codes "
          + ", ".join(f"`{c}`" for c in SEMANTIC_400_CODES) + " (the prompt does not fit the context; fields that "
-         "contradict each other; a conversation the chat template refuses; a prompt that tokenizes to nothing)",
+         "contradict each other; a conversation the chat template refuses; a prompt that tokenizes to nothing; "
+         "a JSON schema, regex or grammar that does not compile; a logit_bias key over the vocabulary)",
     401: "API keys are configured and the request has none or a wrong one (code `invalid_api_key`)",
     404: "The model is not the one this server serves (code `model_not_found`)",
     413: "The body is larger than the server's `max_request_bytes` (code `request_too_large`)",
@@ -241,7 +251,7 @@ def served_document(base: dict, limits: ServedLimits, api_keys: bool) -> dict:
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
     for path, operations in doc.get("paths", {}).items():
-        protected = path.startswith(("/v1/", "/api/"))
+        protected = path.startswith(PROTECTED_PREFIXES)
         for operation in operations.values():
             responses = operation.get("responses", {})
             responses.pop("422", None)

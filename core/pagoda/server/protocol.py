@@ -1,4 +1,4 @@
-"""Request bodies of the OpenAI API (pydantic), and their SamplingParams.
+"""Request bodies of the OpenAI API (pydantic), and their SamplingParams (chat: chat_protocol.py).
 
 Every field is typed strictly (``true`` is not a number, ``"5"`` is not an integer) and bounded
 where it enters: numbers by range, strings and lists by length, and the limits that depend on the
@@ -20,6 +20,7 @@ from pydantic.json_schema import SkipJsonSchema
 from pagoda.sampling_params import (
     INT64_MAX,
     INT64_MIN,
+    MAX_LOGIT_BIAS,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -27,6 +28,7 @@ from pagoda.sampling_params import (
 )
 from pagoda.server.errors import bad_request
 from pagoda.server.openapi import limit
+from pagoda.structured_outputs import StructuredOutputsParams
 
 MAX_NAME_CHARS = 1024  # model names, user ids
 MAX_MESSAGES = 4096
@@ -50,6 +52,27 @@ Seed = Annotated[Int, Field(ge=INT64_MIN, le=INT64_MAX, json_schema_extra=limit(
 ModelName = Annotated[str, Field(max_length=MAX_NAME_CHARS, json_schema_extra=limit("model"))]
 
 
+BadWord = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS, pattern=r"\S")]
+MAX_GRAMMAR_CHARS = 1 << 20  # a regex or grammar's text (JSON schemas are bounded by the body size)
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of json, regex, choice, grammar, json_object."""
+
+    model_config = STRICT
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON schema")
+    regex: str | None = Field(None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
+    choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=4096)] | None = None
+    grammar: str | None = Field(None, min_length=1, max_length=MAX_GRAMMAR_CHARS, description="EBNF (GBNF) or Lark")
+    json_object: Literal[True] | None = None
+    disable_any_whitespace: bool = False
+
+    def params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=self.json_schema, regex=self.regex, choice=self.choice,
+                                       grammar=self.grammar, json_object=self.json_object,
+                                       disable_any_whitespace=self.disable_any_whitespace)
+
+
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool = False
@@ -70,7 +93,9 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = Field(None, description="only with stream=true")
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    logit_bias: SkipJsonSchema[dict[str, float] | None] = None
+    logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], float],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
+        None, description="token id (as a string) -> bias added to its logit, clamped to [-100, 100]")
     user: str | None = Field(None, max_length=MAX_NAME_CHARS)
     # pagoda / vLLM extensions
     top_k: Int | None = Field(None, ge=-1, json_schema_extra=limit("top_k"), description="-1 or 0: off")
@@ -81,15 +106,21 @@ class SamplingFields(BaseModel):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_LOGIT_BIAS)] | None = None
+    bad_words: Annotated[list[BadWord], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    prompt_logprobs: Int | None = Field(None, ge=0, json_schema_extra=limit("logprobs"),
+                                        description="logprobs of the prompt's tokens (and the top k)")
+    logits_processors: list[Annotated[str, Field(json_schema_extra=limit("logits_processor"))]] | None = Field(
+        None, description="logits processors (enabled on the server) to apply")
+    structured_outputs: StructuredOutputs | None = Field(None, description="the output must match this")
 
     def check_unsupported(self) -> None:
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported by pagoda", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream=true", param="stream_options",
                               code="invalid_combination")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """SamplingParams; a bad value raises RequestError naming the field."""
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
@@ -100,7 +131,10 @@ class SamplingFields(BaseModel):
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, prompt_logprobs=self.prompt_logprobs,
+            logit_bias=None if self.logit_bias is None else {int(k): v for k, v in self.logit_bias.items()},
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            logits_processors=self.logits_processors, structured_outputs=structured_outputs)
 
     @property
     def include_usage(self) -> bool:
@@ -130,9 +164,6 @@ class CompletionRequest(SamplingFields):
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request(f"best_of={self.best_of} is not supported (pagoda returns every one of the n "
                               f"completions; leave best_of unset or equal to n)", param="best_of")
-        if self.echo and self.logprobs is not None:
-            raise bad_request("echo with logprobs needs prompt logprobs, which pagoda does not compute",
-                              param="echo", code="invalid_combination")
 
     def prompts(self, max_n: int) -> list[str | list[int]]:
         """The prompt as a list of text or token-id prompts; their completions (n each) at most max_n."""
@@ -147,89 +178,3 @@ class CompletionRequest(SamplingFields):
             raise bad_request(f"{len(prompts)} prompts x n={self.n} completions is more than this server's max_n="
                               f"{max_n} completions per request", param="prompt", code="invalid_combination")
         return prompts
-
-
-# ---------------------------------------------------------------------------- chat messages
-class TextPart(BaseModel):
-    model_config = STRICT
-    type: Literal["text"]
-    text: str
-
-
-Content = str | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)]
-
-
-class _Message(BaseModel):
-    model_config = STRICT
-    name: str | None = Field(None, max_length=MAX_NAME_CHARS)
-
-
-class SystemMessage(_Message):
-    role: Literal["system", "developer"]
-    content: Content
-
-
-class UserMessage(_Message):
-    role: Literal["user"]
-    content: Content
-
-
-class AssistantMessage(_Message):
-    role: Literal["assistant"]
-    content: Content
-
-
-class ToolMessage(_Message):
-    role: Literal["tool"]
-    content: Content
-    tool_call_id: str | None = Field(None, max_length=MAX_NAME_CHARS)
-
-
-ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
-
-
-class ResponseFormatText(BaseModel):
-    model_config = STRICT
-    type: Literal["text"]
-
-
-class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_tokens: OutputTokens | None = Field(None, description="default: the rest of the context")
-    max_completion_tokens: OutputTokens | None = Field(None, description="OpenAI's newer name of max_tokens")
-    logprobs: bool = False
-    top_logprobs: Int | None = Field(None, ge=0, json_schema_extra=limit("logprobs"),
-                                     description="only with logprobs=true")
-    tools: SkipJsonSchema[list[dict[str, Any]] | None] = None
-    tool_choice: SkipJsonSchema[Any] = None
-    functions: SkipJsonSchema[list[dict[str, Any]] | None] = None
-    response_format: ResponseFormatText | SkipJsonSchema[dict[str, Any]] | None = None
-    add_generation_prompt: bool = True
-
-    def check_unsupported(self) -> None:
-        super().check_unsupported()
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise bad_request(f"{name} (function calling) is not supported by pagoda", param=name)
-        if isinstance(self.response_format, dict):
-            raise bad_request(f"response_format {self.response_format.get('type')!r} is not supported "
-                              f"(only 'text')", param="response_format")
-        if self.top_logprobs is not None and not self.logprobs:
-            raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_combination")
-
-    def requested_max_tokens(self) -> tuple[int | None, str]:
-        if self.max_completion_tokens is not None:
-            return self.max_completion_tokens, "max_completion_tokens"
-        return self.max_tokens, "max_tokens"
-
-    def num_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": message_text(m.content)}
-                for m in self.messages]
-
-
-def message_text(content: str | list[TextPart]) -> str:
-    """A message's text: a string, or its text parts joined."""
-    return content if isinstance(content, str) else "".join(part.text for part in content)

@@ -42,11 +42,21 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int
+    decoded_token: str | None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: Literal["stop", "length"] | None
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="with prompt_logprobs: per prompt token")
 
 
 class CompletionResponse(BaseModel):
@@ -73,16 +83,32 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str = Field(description="a JSON object's text, as the model wrote it")
+
+
+class ToolCallReply(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class AssistantReply(BaseModel):
     role: Literal["assistant"]
     content: str | None
+    reasoning_content: str | None = Field(None, description="with a reasoning parser: the model's thinking")
+    tool_calls: list[ToolCallReply] | None = None
+
+
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantReply
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: FinishReason | None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -92,12 +118,24 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="with prompt_logprobs: per prompt token")
 
 
 # ---------------------------------------------------------------------------- Ollama
+class OllamaCalledFunction(BaseModel):
+    name: str
+    arguments: dict
+
+
+class OllamaCall(BaseModel):
+    function: OllamaCalledFunction
+
+
 class OllamaReplyMessage(BaseModel):
     role: Literal["assistant"]
     content: str
+    thinking: str | None = None
+    tool_calls: list[OllamaCall] | None = None
 
 
 class OllamaStats(BaseModel):
@@ -117,6 +155,7 @@ class OllamaStats(BaseModel):
 
 class OllamaGenerateResponse(OllamaStats):
     response: str
+    thinking: str | None = None
     context: list[int] | None = Field(None, description="prompt and output token ids, to continue from")
 
 
@@ -145,6 +184,32 @@ class OllamaTags(BaseModel):
     models: list[OllamaModel]
 
 
+class OllamaShow(BaseModel):
+    modelfile: str
+    parameters: str
+    license: str
+    template: str = Field(description="the chat template")
+    details: OllamaModelDetails
+    model_info: dict
+    capabilities: list[str]
+    modified_at: str
+
+
+class OllamaRunning(BaseModel):
+    name: str
+    model: str
+    size: int
+    digest: str
+    details: OllamaModelDetails
+    expires_at: str
+    size_vram: int
+    context_length: int
+
+
+class OllamaProcesses(BaseModel):
+    models: list[OllamaRunning]
+
+
 class OllamaVersion(BaseModel):
     version: str
 
@@ -167,16 +232,32 @@ class CompletionChunk(BaseModel):
     usage: Usage | None = Field(None, description="with stream_options.include_usage: null, then in the last chunk")
 
 
+class FunctionDelta(BaseModel):
+    name: str | None = None
+    arguments: str = ""
+
+
+class ToolCallDelta(BaseModel):
+    """A call's first delta has its id, type and name; later ones add argument text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: FinishReason | None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -73,6 +73,7 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig):
     from pagoda.server.app import create_app
 
     engine = LLMEngine(engine_config)
+    engine.controls.structured_outputs.warm_up()
     async_engine = AsyncEngine(engine, max_queued_requests=server_config.max_queued_requests)
     return create_app(async_engine, server_config)
 

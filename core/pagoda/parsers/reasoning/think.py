@@ -25,6 +25,10 @@ class ThinkReasoningParser(ReasoningParser):
     def reasoning_end_token_ids(self) -> list[int]:
         return [] if self._end_id is None else [self._end_id]
 
+    @property
+    def reasoning_start_token_id(self) -> int | None:
+        return self._start_id
+
     def initial_state(self, prompt: str | None) -> str:
         """From the end of the rendered prompt: an open ``<think>`` means the output starts in
         the reasoning, a closed ``</think>`` that thinking is off."""

@@ -1,0 +1,161 @@
+"""Grammar engines behind one small interface: xgrammar (the default, as in vLLM and SGLang) and
+llguidance. pagoda compiles nothing itself: each backend turns a ``GrammarSpec`` into its own
+compiled grammar and hands out matchers that fill token bitmasks (int32, one bit per token id, the
+format both libraries share) and advance with each accepted token.
+
+    backend = XGrammarBackend(tokenizer, vocab_size, stop_token_ids)
+    grammar = backend.compile(spec)           # ValueError with the library's message if it does not compile
+    matcher = backend.matcher(grammar)        # one per sequence
+    matcher.fill_bitmask(bitmask, row); matcher.accept(token)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import torch
+
+from pagoda.structured_outputs.params import GrammarSpec
+
+_CPP_PREFIX = re.compile(r"^\[[^\]]*\] [^ :]+:\d+: ")  # xgrammar's "[time] file.cc:94: " before its message
+# JSON's flexible whitespace, bounded: unbounded, a small model can fill its budget with newlines between
+# two tokens of the object (indentation of pretty-printed JSON fits)
+MAX_JSON_WHITESPACE = 20
+
+
+class GrammarMatcher:
+    """One sequence's position in its grammar. ``terminated`` once a stop token was accepted."""
+
+    def __init__(self, stop_token_ids: set[int]):
+        self.stop_token_ids = stop_token_ids
+        self.terminated = False
+
+    def accept(self, token: int) -> bool:
+        """Advance by one sampled token; False if the grammar does not allow it."""
+        ok = self._accept(token)
+        if ok and token in self.stop_token_ids:
+            self.terminated = True
+        return ok
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens allowed next into ``bitmask[row]`` (int32, ceil(vocab / 32) words)."""
+        raise NotImplementedError
+
+    def _accept(self, token: int) -> bool:
+        raise NotImplementedError
+
+
+class StructuredOutputBackend:
+    name = ""
+
+    def compile(self, spec: GrammarSpec) -> object:
+        raise NotImplementedError
+
+    def matcher(self, grammar: object) -> GrammarMatcher:
+        raise NotImplementedError
+
+
+# ---------------------------------------------------------------------------- xgrammar
+class _XGrammarMatcher(GrammarMatcher):
+    def __init__(self, inner, stop_token_ids: set[int]):
+        super().__init__(stop_token_ids)
+        self.inner = inner
+
+    def _accept(self, token: int) -> bool:
+        return self.inner.accept_token(token)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self.inner.fill_next_token_bitmask(bitmask, row)
+
+
+class XGrammarBackend(StructuredOutputBackend):
+    name = "xgrammar"
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        self.stop_token_ids = set(stop_token_ids)
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # pagoda's manager caches
+
+    def compile(self, spec: GrammarSpec) -> object:
+        c = self.compiler
+        try:
+            if spec.kind in ("json", "json_object"):
+                schema = spec.text if spec.kind == "json" else '{"type": "object"}'
+                return c.compile_json_schema(schema, any_whitespace=spec.any_whitespace,
+                                             max_whitespace_cnt=MAX_JSON_WHITESPACE if spec.any_whitespace else None)
+            if spec.kind == "regex":
+                return c.compile_regex(spec.text)
+            if spec.kind == "choice":  # EBNF string literals take JSON's escapes
+                return c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in json.loads(spec.text)))
+            try:
+                return c.compile_grammar(spec.text)  # EBNF / GBNF
+            except RuntimeError:
+                return c.compile_lark(spec.text)
+        except (RuntimeError, ValueError) as exc:
+            raise ValueError(_CPP_PREFIX.sub("", str(exc).strip())) from None
+
+    def matcher(self, grammar: object) -> GrammarMatcher:
+        return _XGrammarMatcher(self.xgr.GrammarMatcher(grammar), self.stop_token_ids)
+
+
+# ---------------------------------------------------------------------------- llguidance
+class _LLGuidanceMatcher(GrammarMatcher):
+    def __init__(self, inner, stop_token_ids: set[int]):
+        super().__init__(stop_token_ids)
+        self.inner = inner
+
+    def _accept(self, token: int) -> bool:
+        return self.inner.consume_token(token)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        from llguidance.torch import fill_next_token_bitmask
+
+        fill_next_token_bitmask(self.inner, bitmask, row)
+
+
+class LLGuidanceBackend(StructuredOutputBackend):
+    name = "llguidance"
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        import llguidance
+        import llguidance.hf
+
+        self.llg = llguidance
+        self.stop_token_ids = set(stop_token_ids)
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(stop_token_ids))
+
+    def compile(self, spec: GrammarSpec) -> object:
+        llg = self.llg
+        try:
+            if spec.kind in ("json", "json_object"):
+                schema = spec.text if spec.kind == "json" else '{"type": "object"}'
+                options = {"whitespace_flexible": spec.any_whitespace}
+                if spec.any_whitespace:
+                    options["whitespace_pattern"] = f"[\\x20\\x0A\\x0D\\x09]{{1,{MAX_JSON_WHITESPACE}}}"
+                grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+            else:
+                grammar = llg.grammar_from({"grammar": "grammar"}.get(spec.kind, spec.kind), spec.text)
+        except ValueError as exc:
+            raise ValueError(str(exc)) from None
+        error = llg.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if error:
+            raise ValueError(error.strip())
+        return grammar
+
+    def matcher(self, grammar: object) -> GrammarMatcher:
+        return _LLGuidanceMatcher(self.llg.LLMatcher(self.tokenizer, grammar, log_level=0), self.stop_token_ids)
+
+
+BACKENDS = {"xgrammar": XGrammarBackend, "llguidance": LLGuidanceBackend}
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set the logits [n, V] of tokens their row of ``bitmask`` [n, ceil(V/32)] forbids to -inf, in
+    place: xgrammar's kernel (CUDA, or its CPU path), the same for both backends' masks."""
+    import xgrammar as xgr
+
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True))

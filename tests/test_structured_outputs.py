@@ -1,0 +1,192 @@
+"""Structured outputs: the grammar backends (xgrammar, llguidance) behind pagoda's interface, the
+compile cache and its errors, and the engine keeping every constrained output inside its grammar."""
+
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+import torch
+from pagoda.errors import RequestError
+from pagoda.structured_outputs.backends import apply_bitmask
+from pagoda.structured_outputs.manager import StructuredOutputManager
+from pagoda.structured_outputs.params import StructuredOutputsParams
+from pagoda.testing.reference import save_byte_tokenizer
+from transformers import AutoTokenizer
+
+VOCAB = 300  # the byte tokenizer uses 260 ids; the model's vocabulary is padded past it
+EOS = 1
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tok")
+    save_byte_tokenizer(directory, VOCAB)
+    return AutoTokenizer.from_pretrained(str(directory))
+
+
+@pytest.fixture(scope="module", params=["xgrammar", "llguidance"])
+def manager(request, tokenizer):
+    return StructuredOutputManager(request.param, tokenizer, VOCAB, [EOS])
+
+
+def walk(manager, params, tokenizer, seed=0, limit=200):
+    """Generate through the grammar's masks alone: each step a random allowed token."""
+    matcher = manager.compile(params).matcher()
+    rng = random.Random(seed)
+    bitmask = torch.zeros(1, (VOCAB + 31) // 32, dtype=torch.int32)
+    out = []
+    for _ in range(limit):
+        matcher.fill_bitmask(bitmask, 0)
+        logits = torch.zeros(1, VOCAB)
+        apply_bitmask(logits, bitmask)
+        allowed = torch.nonzero(logits[0] == 0).flatten().tolist()
+        assert allowed, "the grammar allows nothing"
+        assert all(t < 260 for t in allowed), "a padded id past the tokenizer was allowed"
+        # prefer ending once allowed, so walks stay short
+        token = EOS if EOS in allowed and rng.random() < 0.5 else rng.choice(allowed)
+        assert matcher.accept(token)
+        if matcher.terminated:
+            return tokenizer.decode(out)
+        out.append(token)
+    raise AssertionError("the walk did not end")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_json_schema_outputs_validate(manager, tokenizer, seed):
+    text = walk(manager, StructuredOutputsParams(json=SCHEMA), tokenizer, seed)
+    # xgrammar's JSON strings admit raw control characters (a random walk finds them; models hardly
+    # emit them), which Python's strict parser refuses: parse as most JSON parsers do
+    jsonschema.validate(json.loads(text, strict=False), SCHEMA)
+
+
+def test_regex_choice_grammar_and_json_object(manager, tokenizer):
+    assert re.fullmatch(r"[a-c]{2,4}-\d", walk(manager, StructuredOutputsParams(regex=r"[a-c]{2,4}-\d"), tokenizer))
+    choices = ["yes", "no", 'say "hi"\n', "café"]
+    for seed in range(3):
+        assert walk(manager, StructuredOutputsParams(choice=choices), tokenizer, seed) in choices
+    ebnf = 'root ::= "(" digits ")"\ndigits ::= [0-9] | [0-9] digits'
+    assert re.fullmatch(r"\(\d+\)", walk(manager, StructuredOutputsParams(grammar=ebnf), tokenizer))
+    obj = StructuredOutputsParams(json_object=True)
+    assert accepts(manager, obj, tokenizer, '{"a": [1, {"b": null}], "c": "d"}')
+    assert not accepts(manager, obj, tokenizer, '[1, 2]') and not accepts(manager, obj, tokenizer, '{"a": 1')
+
+
+def accepts(manager, params, tokenizer, text):
+    """Whether the grammar's masks let ``text`` through, then end."""
+    matcher = manager.compile(params).matcher()
+    bitmask = torch.zeros(1, (VOCAB + 31) // 32, dtype=torch.int32)
+    for token in [*tokenizer.encode(text, add_special_tokens=False), EOS]:
+        matcher.fill_bitmask(bitmask, 0)
+        if not (bitmask[0, token // 32] >> (token % 32)) & 1:
+            return False
+        matcher.accept(token)
+    return matcher.terminated
+
+
+def test_compile_errors_name_the_field(manager):
+    with pytest.raises(RequestError) as info:
+        manager.compile(StructuredOutputsParams(regex="(unclosed"))
+    assert info.value.field == "structured_outputs.regex" and "does not compile" in str(info.value)
+    with pytest.raises(RequestError) as info:
+        manager.compile(StructuredOutputsParams(json={"type": "nonsense"}), field="response_format")
+    assert info.value.field == "response_format"
+
+
+@pytest.mark.parametrize("kwargs,field", [({}, "structured_outputs"),
+                                          ({"json": "{not json"}, "structured_outputs.json"),
+                                          ({"regex": "a", "choice": ["b"]}, "structured_outputs"),
+                                          ({"choice": []}, "structured_outputs.choice"),
+                                          ({"json_object": False, "grammar": ""}, "structured_outputs.grammar")])
+def test_params_are_checked_where_they_enter(kwargs, field):
+    with pytest.raises(RequestError) as info:
+        StructuredOutputsParams(**kwargs)
+    assert info.value.field == field
+
+
+def test_the_cache_compiles_a_grammar_once(tokenizer, monkeypatch):
+    manager = StructuredOutputManager("xgrammar", tokenizer, VOCAB, [EOS])
+    backend = manager.backend("xgrammar")
+    calls = []
+    real = backend.compile
+    monkeypatch.setattr(backend, "compile", lambda spec: calls.append(spec) or real(spec))
+    futures = [manager.compile_async(StructuredOutputsParams(json=dict(SCHEMA))) for _ in range(4)]
+    first = futures[0].result()
+    assert all(f.result() is first for f in futures[1:]) or len(calls) <= 2
+    manager.compile(StructuredOutputsParams(json=json.dumps(SCHEMA)))  # the same schema as text: cached
+    assert len(calls) <= 2  # (two may race on the very first compile; the cache then holds one)
+    assert len(manager._cache) == 1
+
+
+def test_auto_falls_back_to_llguidance(tokenizer, monkeypatch):
+    manager = StructuredOutputManager("auto", tokenizer, VOCAB, [EOS])
+
+    def refuse(spec):
+        raise ValueError("unsupported by this backend")
+
+    monkeypatch.setattr(manager.backend("xgrammar"), "compile", refuse)
+    grammar = manager.compile(StructuredOutputsParams(regex="ab+"))
+    assert grammar.backend.name == "llguidance"
+    monkeypatch.setattr(manager.backend("llguidance"), "compile", refuse)
+    with pytest.raises(RequestError, match="unsupported by this backend"):
+        manager.compile(StructuredOutputsParams(regex="cd+"))
+
+
+# ---------------------------------------------------------------------------- through the engine
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    from pagoda import LLM
+    from pagoda.testing import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("so"), seed=5, tokenizer=True, vocab_size=VOCAB,
+                                hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, max_position_embeddings=512)
+    return LLM(model=str(path), device="cpu", dtype="float32", num_kv_blocks=256, block_size=8, max_num_seqs=8,
+               max_num_batched_tokens=64)
+
+
+def constrained(so, **kwargs):
+    from pagoda import SamplingParams
+
+    return SamplingParams(structured_outputs=so, **{"max_tokens": 120, "temperature": 0.8, "seed": 3, **kwargs})
+
+
+def test_the_engine_keeps_every_output_inside_its_grammar(llm):
+    """A random model through the masks: eight requests with eight grammars in one batch (sampled,
+    seeded, n=2 for one), chunked prefill, each output valid for its own grammar."""
+    from pagoda import SamplingParams
+
+    schemas = [{"type": "object", "properties": {f"k{i}": {"type": "integer", "minimum": i, "maximum": i + 9}},
+                "required": [f"k{i}"], "additionalProperties": False} for i in range(4)]
+    params = [constrained(StructuredOutputsParams(json=s, disable_any_whitespace=True)) for s in schemas]
+    params += [constrained(StructuredOutputsParams(regex=r"(ab|cd){2,3}!")),
+               constrained(StructuredOutputsParams(choice=["red", "green", "blue"]), n=2),
+               constrained(StructuredOutputsParams(grammar='root ::= "<" [0-9] [0-9]? ">"'), temperature=0),
+               SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)]  # unconstrained, in the same batch
+    prompts = [[5 + i, 40 + i, 77] * (3 + i) for i in range(len(params))]
+    outs = llm.generate(prompts, params)
+    for i, schema in enumerate(schemas):
+        jsonschema.validate(json.loads(outs[i].outputs[0].text), schema)
+        assert outs[i].outputs[0].finish_reason == "stop"
+    assert re.fullmatch(r"(ab|cd){2,3}!", outs[4].outputs[0].text)
+    assert {c.text for c in outs[5].outputs} <= {"red", "green", "blue"} and len(outs[5].outputs) == 2
+    assert re.fullmatch(r"<\d\d?>", outs[6].outputs[0].text)
+    alone = llm.generate([prompts[7]], params[7])[0]
+    assert outs[7].outputs[0].token_ids == alone.outputs[0].token_ids  # unconstrained rows are untouched
+
+
+def test_a_grammar_cut_by_max_tokens_ends_with_length(llm):
+    out = llm.generate([[7, 8, 9]], constrained(StructuredOutputsParams(regex=r"[a-z]{50}"), max_tokens=5))[0]
+    assert out.outputs[0].finish_reason == "length" and re.fullmatch(r"[a-z]{5}", out.outputs[0].text)
+
+
+def test_a_grammar_that_does_not_compile_is_the_requests_error(llm):
+    with pytest.raises(RequestError) as info:
+        llm.generate([[1, 2]], constrained(StructuredOutputsParams(regex="(")))
+    assert info.value.field == "structured_outputs.regex"
+    assert llm.get_stats()["num_waiting"] == 0
