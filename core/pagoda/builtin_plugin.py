@@ -1,6 +1,6 @@
 """The core's own hook implementations: the CPU platform, the pure-torch attention
-backends (multi-head and MLA), the default KV allocator and the torch reference of every
-kernel op."""
+backends (multi-head and MLA), the default KV allocator, the torch reference of every
+kernel op and the transformers fallback for architectures no plugin implements."""
 
 from __future__ import annotations
 
@@ -21,6 +21,13 @@ def register_attention_backends(register):
 
     register(TorchPagedAttention())
     register(TorchMLAAttention())
+
+
+@hookimpl
+def register_models(register):
+    from pagoda.registry import MODEL_FALLBACK
+
+    register(MODEL_FALLBACK, "pagoda.transformers_fallback.model:TransformersForCausalLM")
 
 
 @hookimpl
