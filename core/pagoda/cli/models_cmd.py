@@ -43,13 +43,14 @@ FALLBACK_HEADER = """
 {features}.
 
 Tested: {tested}. `pagoda check-model ARCH` runs the same conformance checks on any
-architecture below (`--model-impl transformers` on a native one).
+architecture below (`--model-impl transformers` on a native one); an architecture not marked tested
+is one transformers implements and the fallback accepts, not one pagoda's tests prove.
 
 What it cannot run: classes whose attention does not go through transformers' attention
 interface (`_supports_attention_backend`), layers that keep state outside the KV cache
 (state-space, convolution or linear-attention layers of hybrid models), ALiBi, attention
 sinks, encoder-decoder models and custom code (`auto_map`). Under tensor parallelism it splits
-a model only by its `base_model_tp_plan` (the last column, for the config class's defaults);
+a model only by its `base_model_tp_plan` (the "tensor parallel" column, for the config class's defaults);
 expert-parallel plans (MoE) run on one device. It is slower than a native class: transformers'
 Python code runs every step and CUDA graphs are not captured for it.
 

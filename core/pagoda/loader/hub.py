@@ -65,7 +65,9 @@ def offline() -> bool:
     from huggingface_hub import constants
 
     raw = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
-    return constants.is_offline_mode() if raw is None else raw.strip().lower() in ("1", "true", "yes", "on")
+    if raw is None:
+        return bool(constants.HF_HUB_OFFLINE)
+    return raw.strip().lower() in ("1", "true", "yes", "on")
 
 
 def download(ref: HubReference, revision: str | None = None, cache_dir: str | None = None,

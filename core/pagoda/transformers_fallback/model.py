@@ -70,23 +70,19 @@ class TransformersForCausalLM(nn.Module):
                 "LM head are vocab-parallel; logits go through the architecture's own head code (logit scaling, "
                 "soft-capping); checkpoints load through transformers' key conversions (e.g. per-expert tensors "
                 "stacked)")
-    TESTED = ("prompt logits (fp32) and 32 greedy tokens for a batch of prompts with chunked prefill and preemption, "
-              "and with prefix caching, on tiny random models of the architectures marked below; `pagoda "
-              "check-model` on each; split over 2 ranks (gloo) for those with a plan "
-              "(tests/test_transformers_fallback.py)")
-    # what tests/test_transformers_fallback.py proves per architecture (pagoda models, docs/models.md)
+    TESTED = ("for each architecture marked in the last column, on tiny random models: prompt logits (fp32, within "
+              "1e-4) and the KV cache size, 32 greedy tokens of a batch of prompts with chunked prefill and "
+              "preemption, greedy tokens with prefix-cache hits, every checkpoint tensor loaded, and `pagoda "
+              "check-model ARCH` (tests/test_transformers_fallback.py)")
+    # what tests/test_transformers_fallback.py adds per architecture (pagoda models, docs/models.md)
     TESTED_ARCHITECTURES = {
-        "Olmo2ForCausalLM": "logits, greedy (chunked prefill, preemption, prefix caching), check-model; q/k norms "
-                            "over all heads; 2 ranks (heads gathered: colwise_gather_output, rowwise_split_input)",
-        "GraniteForCausalLM": "logits, greedy (chunked prefill, preemption, prefix caching), check-model; "
-                              "embedding/residual/attention/logit multipliers; 2 ranks (heads split)",
-        "StableLmForCausalLM": "logits, greedy (chunked prefill, preemption, prefix caching), check-model; partial "
-                               "rotary, LayerNorm, parallel residual",
-        "CohereForCausalLM": "logits, greedy (chunked prefill, preemption, prefix caching), check-model; "
-                             "logit_scale, tied embeddings, parallel attention+MLP",
-        "GPTNeoXForCausalLM": "logits, greedy (chunked prefill, preemption), fused query_key_value",
-        "OlmoeForCausalLM": "logits, greedy (chunked prefill, preemption); per-expert checkpoint tensors stacked "
-                            "by transformers' conversion",
+        "Olmo2ForCausalLM": "tested: q/k RMSNorm over all heads; 2 ranks (q/k/v gathered, MLP split)",
+        "GraniteForCausalLM": "tested: embedding, residual, attention and logit multipliers; 2 ranks (heads split)",
+        "StableLmForCausalLM": "tested: LayerNorm, per-head q/k LayerNorm, partial rotary, parallel residual, "
+                               "q/k/v bias",
+        "CohereForCausalLM": "tested: logit_scale, tied embeddings, parallel attention and MLP",
+        "GPTNeoXForCausalLM": "tested: fused query_key_value, parallel residual",
+        "OlmoeForCausalLM": "tested: 16 experts, per-expert checkpoint tensors stacked by transformers' conversion",
     }
     model_impl = "transformers"
     supports_graphs = False  # transformers' code may synchronize the host (MoE routing, dynamic rope): run eagerly

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 from torch import nn
@@ -52,7 +51,7 @@ def load_checkpoint(model: nn.Module, hf_model: nn.Module, weights: Iterable[tup
     where = getattr(weights, "where", lambda name: "checkpoint")
     renamings, converters = conversion_rules(hf_model)
     by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
-    pending: dict[str, Any] = {}  # target key -> its converter, holding the collected tensors
+    pending: dict[str, list] = {}  # target key -> [(checkpoint name, converter pattern, tensor)]
     loaded: set[str] = set()
 
     def target_of(name: str) -> str | None:
@@ -81,8 +80,7 @@ def load_checkpoint(model: nn.Module, hf_model: nn.Module, weights: Iterable[tup
             continue
         renamed, pattern = _rename(name, renamings, converters)
         if pattern is not None:
-            converter = pending.setdefault(renamed, copy.deepcopy(by_pattern[pattern]))
-            converter.add_tensor(renamed, name, pattern, lambda t=tensor: t[...])
+            pending.setdefault(renamed, []).append((name, pattern, tensor))
             continue
         target = target_of(renamed)
         if target is None and _kv_cache_scale(model, renamed, tensor):
@@ -91,7 +89,11 @@ def load_checkpoint(model: nn.Module, hf_model: nn.Module, weights: Iterable[tup
             raise ModelLoadError(f"{where(name)}: tensor {name!r} does not belong to transformers' "
                                  f"{type(hf_model).__name__}; is config.json from the same checkpoint?")
         put(target, tensor, name)
-    for renamed, converter in pending.items():
+    for renamed, sources in pending.items():
+        converter = copy.deepcopy(by_pattern[sources[0][1]])
+        # in the checkpoint's natural key order (expert 2 before expert 10), as transformers stacks them
+        for name, pattern, tensor in sorted(sources, key=lambda item: _natural_key(item[0])):
+            converter.add_tensor(renamed, name, pattern, lambda t=tensor: t[...])
         try:
             converted = converter.convert(renamed, model=hf_model, config=hf_model.config)
         except Exception as exc:
@@ -105,6 +107,10 @@ def load_checkpoint(model: nn.Module, hf_model: nn.Module, weights: Iterable[tup
                                      f"{type(hf_model).__name__} does not have")
             put(target, tensor, key)
     return loaded
+
+
+def _natural_key(name: str) -> list:
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in name.split(".")]
 
 
 def _kv_cache_scale(model: nn.Module, name: str, tensor: torch.Tensor) -> bool:
