@@ -185,3 +185,19 @@ def test_two_ranks_match_transformers(tmp_path_factory, name, heads_split):
         assert mlp.down_proj.weight.shape[1] == VARIANTS[name]["intermediate_size"] // 2
     finally:
         llm.shutdown()
+
+
+# ---------------------------------------------------------------------------- CUDA (scripts/gpu_fallback_check.sh)
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["olmo2", "granite", "olmoe"])
+def test_on_cuda_the_fallback_matches_transformers(tmp_path_factory, name):
+    """On a GPU the attention calls go to the CUDA plugin's Triton paged attention: float32 greedy tokens
+    through chunked prefill and preemption equal transformers' on the CPU; bfloat16 logits stay close."""
+    fields = {k: v for k, v in VARIANTS[name].items() if v is not None}
+    path = make_tiny_checkpoint(name, tmp_path_factory.mktemp(f"{name}-cuda"), seed=1, **fields)
+    prompts = random_prompts(6, VOCAB, 5, 45, seed=7)
+    assert_greedy_matches(path, prompts, 32, engine=dict(STRESS, device="cuda"))
+    llm = LLM(model=str(path), device="cuda", dtype="bfloat16", num_kv_blocks=64, block_size=16)
+    assert llm.engine.runner.backends["mha"].name != "torch"
+    logits = llm.prompt_logits(prompts[2]).float().cpu()
+    torch.testing.assert_close(logits, hf_prompt_logits(path, prompts[2]), atol=0.15, rtol=0.05)
