@@ -172,8 +172,8 @@ def _http_error(cls, status: int, message: str):
 
 
 @pytest.mark.parametrize("error, expected", [
-    (lambda: _http_error(RepositoryNotFoundError, 404, "nope"), "no such repo on the Hugging Face Hub, or it is "
-                                                                "private"),
+    (lambda: _http_error(RepositoryNotFoundError, 404, "nope"), "no local folder of that name exists and the "
+                                                                "Hugging Face Hub has no such repo, or it is private"),
     (lambda: _http_error(GatedRepoError, 403, "gated"), "is gated: accept its terms.*HF_TOKEN"),
     (lambda: _http_error(RevisionNotFoundError, 404, "rev"), "no such revision"),
 ])

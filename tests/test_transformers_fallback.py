@@ -112,12 +112,14 @@ def test_int4_through_the_fallback_equals_native_int4(llama):
      "attention through the attention interface"),
     ("qwen3_next", dict(TINY, layer_types=["linear_attention", "full_attention"]), "Qwen3NextForCausalLM"),
     ("bert", dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4), "is an encoder"),
+    ("olmo2", dict(TINY, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+     "longest position in the whole batch"),
 ])
 def test_what_the_fallback_cannot_run_is_explained(tmp_path, model_type, fields, message):
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type, **fields)
-    config.architectures = [{"bert": "BertLMHeadModel", "mamba": "MambaForCausalLM",
+    config.architectures = [{"bert": "BertLMHeadModel", "mamba": "MambaForCausalLM", "olmo2": "Olmo2ForCausalLM",
                              "qwen3_next": "Qwen3NextForCausalLM"}[model_type]]
     config.save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError) as err:

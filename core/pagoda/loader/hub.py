@@ -224,7 +224,8 @@ def _explain(exc: Exception, where: str) -> ModelLoadError:
         return ModelLoadError(f"{where}: the repo has no such revision (branch, tag or commit)")
     if isinstance(exc, RepositoryNotFoundError):
         token = "HF_TOKEN is set" if os.environ.get("HF_TOKEN") else "no HF_TOKEN is set"
-        return ModelLoadError(f"{where}: no such repo on the Hugging Face Hub, or it is private ({token})")
+        return ModelLoadError(f"{where}: no local folder of that name exists and the Hugging Face Hub has no such "
+                              f"repo, or it is private ({token})")
     if isinstance(exc, LocalEntryNotFoundError):
         return ModelLoadError(f"{where}: the Hub cannot be reached and the files are not cached: {exc}")
     status = getattr(getattr(exc, "response", None), "status_code", None)

@@ -4,7 +4,9 @@ It runs a causal LM when transformers has a class of that name whose attention g
 transformers' attention interface (``_supports_attention_backend``: the class lets a custom
 attention function do the work), and when every layer is an attention layer: a state-space,
 convolution or linear-attention layer keeps state that pagoda's paged KV cache does not hold,
-and ALiBi needs a bias the paged attention backends do not add.
+ALiBi needs a bias the paged attention backends do not add, and dynamic-NTK or LongRoPE scaling is
+computed in transformers from the longest position of the whole batch (one sequence's length would
+change another's rotation).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ HYBRID_KEYS = ("layers_block_type", "hybrid_override_pattern", "block_types", "a
 # (tests/test_transformers_fallback.py).
 VERIFIED_WITHOUT_FLAG = frozenset({"StableLmForCausalLM"})
 TEXT_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+# rope types whose transformers implementation reads the batch's longest position (dynamic_rope_update)
+BATCH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 # base_model_tp_plan styles the fallback implements (pagoda.transformers_fallback.parallel)
 TP_STYLES = frozenset({"colwise", "colwise_gather_output", "colwise_rep", "packed_colwise", "rowwise", "rowwise_rep",
                        "rowwise_split_input", "replicated_with_grad_allreduce", "embedding_rowwise"})
@@ -79,7 +83,26 @@ def config_unsupported_reason(config: Any) -> str | None:
             return f"its config sets {key}: layers without attention keep state pagoda's KV cache does not hold"
     if getattr(text, "alibi", False) or getattr(text, "position_embedding_type", None) == "alibi":
         return "it uses ALiBi position biases, which pagoda's paged attention does not add"
+    batch_dependent = sorted(set(_rope_types(text)) & BATCH_DEPENDENT_ROPE)
+    if batch_dependent:
+        return (f"its rope_type {batch_dependent[0]} makes transformers scale the rotary frequencies by the longest "
+                f"position in the whole batch, which mixes sequences under continuous batching")
     return None
+
+
+def _rope_types(config: Any) -> list[str]:
+    """Every rope_type of a config (``rope_parameters``/``rope_scaling``, also per layer type)."""
+    found = []
+    for key in ("rope_parameters", "rope_scaling"):
+        params = getattr(config, key, None)
+        if not isinstance(params, dict):
+            continue
+        nested = [v for v in params.values() if isinstance(v, dict)]
+        for entry in nested or [params]:
+            kind = entry.get("rope_type") or entry.get("type")
+            if isinstance(kind, str):
+                found.append(kind)
+    return found
 
 
 def unsupported_reason(architecture: str, config: Any) -> str | None:
