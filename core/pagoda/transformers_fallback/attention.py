@@ -52,7 +52,7 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     q = query[0].transpose(0, 1).reshape(tokens, heads * head_dim)
     k = key[0].transpose(0, 1).reshape(tokens, -1)
     v = value[0].transpose(0, 1).reshape(tokens, -1)
-    layer.called = True
+    layer.calls += 1
     out = layer(q, k, v).view(1, tokens, heads, head_dim)
     return (out if value_dim == head_dim else out[..., :value_dim]), None
 
@@ -107,7 +107,7 @@ def attach_paged_attention(module: nn.Module, config: Any, prefix: str, heads_sp
     layer = Attention(heads // heads_split, head_dim, float(scale) if scale else head_dim ** -0.5,
                       kv_heads // heads_split, sliding_window=window if isinstance(window, int) and window else None,
                       logits_soft_cap=float(cap) if cap else None, prefix=f"{prefix}.attn")
-    layer.called = False
+    layer.calls = 0  # attention calls counted for the first forward's check (one per layer)
     module.add_module(LAYER_ATTRIBUTE, layer)
     return layer
 

@@ -151,11 +151,17 @@ class TransformersForCausalLM(nn.Module):
         return hidden[0]
 
     def _check_every_layer_attended(self) -> None:
-        missed = [layer.prefix for layer in self.attention_layers if not layer.called]
+        """After the first forward: each paged layer was called exactly once (a layer that computed its
+        attention another way would go uncached; one called twice would store its K/V twice)."""
+        name = type(self.hf_model).__name__
+        missed = [layer.prefix for layer in self.attention_layers if layer.calls == 0]
         if missed:
-            raise ModelLoadError(f"transformers' {type(self.hf_model).__name__} computed attention without calling "
-                                 f"the attention interface in {', '.join(missed[:4])}; the transformers fallback "
-                                 f"cannot cache it")
+            raise ModelLoadError(f"transformers' {name} computed attention without calling the attention interface "
+                                 f"in {', '.join(missed[:4])}; the transformers fallback cannot cache it")
+        repeated = [layer.prefix for layer in self.attention_layers if layer.calls > 1]
+        if repeated:
+            raise ModelLoadError(f"transformers' {name} calls the attention of {', '.join(repeated[:4])} more than "
+                                 f"once per forward; the transformers fallback caches one call per layer and step")
         self._verified = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
