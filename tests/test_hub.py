@@ -255,3 +255,17 @@ def test_cache_layout_helper_matches_huggingface_hub(tmp_path):
     assert repo.repo_id == "a/b" and {f.file_name for r in repo.revisions for f in r.files} == {"config.json",
                                                                                               "w.safetensors"}
     assert (tmp_path / "models--a--b" / "refs" / "main").read_text() == "c" * 40
+
+
+def test_server_serves_a_repo_id_under_its_name(checkpoints, offline):
+    import openai
+    from pagoda.config import EngineConfig
+    from pagoda.server import ServerConfig, ServerThread, build_app
+
+    _, _, cache = checkpoints
+    engine = EngineConfig(model="tiny-org/tiny-llama", download_dir=str(cache), **ENGINE)
+    with ServerThread(build_app(engine, ServerConfig())) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=30)
+        assert [m.id for m in client.models.list().data] == ["tiny-org/tiny-llama"]
+        out = client.completions.create(model="tiny-org/tiny-llama", prompt="hi", max_tokens=3, temperature=0)
+        assert out.usage.completion_tokens == 3

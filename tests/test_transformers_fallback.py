@@ -203,3 +203,18 @@ def test_on_cuda_the_fallback_matches_transformers(tmp_path_factory, name):
     assert llm.engine.runner.backends["mha"].name != "torch"
     logits = llm.prompt_logits(prompts[2]).float().cpu()
     torch.testing.assert_close(logits, hf_prompt_logits(path, prompts[2]), atol=0.15, rtol=0.05)
+
+
+def test_server_runs_a_fallback_model(tmp_path_factory):
+    import openai
+    from pagoda.config import EngineConfig
+    from pagoda.server import ServerConfig, ServerThread, build_app
+
+    path = make_tiny_checkpoint("olmo2", tmp_path_factory.mktemp("olmo2-serve"), seed=1, tokenizer=True, **TINY)
+    engine = EngineConfig(model=str(path), **ENGINE)
+    with ServerThread(build_app(engine, ServerConfig(served_model_name="olmo"))) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=30)
+        chat = client.chat.completions.create(model="olmo", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=4, temperature=0)
+        assert chat.usage.completion_tokens == 4
+        assert isinstance(srv.app.state.async_engine.engine.runner.model, TransformersForCausalLM)
