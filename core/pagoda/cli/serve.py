@@ -65,7 +65,9 @@ def serve_engine_config(args: argparse.Namespace):
     tag, flag = getattr(args, "model_tag", None), getattr(args, "model", None)
     if tag is not None and flag is not None and tag != flag:
         raise ConfigError(f"pagoda serve was given two models: {tag!r} and --model {flag!r}; give one")
-    config = engine_config_from_args(args, model=tag)
+    if tag is not None:
+        args.model = tag
+    config = engine_config_from_args(args)
     if config.max_num_batched_tokens is None:  # a server keeps decode steps short while prompts arrive
         config.max_num_batched_tokens = SERVE_STEP_TOKENS
     return config
