@@ -33,6 +33,8 @@ VARIANTS = {
     "cohere": dict(TINY, logit_scale=0.5, use_qk_norm=False, tie_word_embeddings=True),  # logits times a scale
     "gpt_neox": dict(TINY, num_key_value_heads=None, use_parallel_residual=True),  # fused query_key_value
     "olmoe": dict(TINY, num_experts=16, num_experts_per_tok=2),  # per-expert tensors stacked (2 before 10)
+    "opt": dict(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=256),  # learned positions, LayerNorm, head code calls model.decoder
 }
 ENGINE = dict(device="cpu", dtype="float32", num_kv_blocks=64, block_size=8)
 STRESS = dict(num_kv_blocks=10, block_size=8, max_num_batched_tokens=24, max_model_len=80, enable_prefix_caching=False)
@@ -142,7 +144,8 @@ def test_plugins_and_models_list_the_fallback(capsys):
 
 
 @pytest.mark.parametrize("architecture", ["Olmo2ForCausalLM", "GraniteForCausalLM", "StableLmForCausalLM",
-                                          "CohereForCausalLM", "GPTNeoXForCausalLM", "OlmoeForCausalLM"])
+                                          "CohereForCausalLM", "GPTNeoXForCausalLM", "OlmoeForCausalLM",
+                                          "OPTForCausalLM"])
 def test_check_model_passes_on_fallback_architectures(capsys, architecture):
     code = main(["check-model", architecture, "--variant", "gqa", "--max-tokens", "16"])
     out = capsys.readouterr().out

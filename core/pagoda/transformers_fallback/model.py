@@ -48,11 +48,20 @@ class _BaseOutputs:
 
 
 class _HiddenStates(nn.Module):
-    """Stands in for the base model while transformers' head code runs on given hidden states."""
+    """Stands in for the base model while transformers' head code runs on given hidden states; it also
+    stands in for any part the head code calls instead (OPT's head calls ``self.model.decoder``)."""
 
-    def __init__(self, hidden: torch.Tensor):
+    def __init__(self, hidden: torch.Tensor, base: nn.Module):
         super().__init__()
         self.hidden = hidden
+        object.__setattr__(self, "base", base)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            found = getattr(self.base, name)  # the base's settings (config, ...); its sub-modules: this stand-in
+            return self if isinstance(found, nn.Module) else found
 
     def forward(self, *args: Any, **kwargs: Any) -> _BaseOutputs:
         return _BaseOutputs(self.hidden)
@@ -83,6 +92,8 @@ class TransformersForCausalLM(nn.Module):
         "CohereForCausalLM": "tested: logit_scale, tied embeddings, parallel attention and MLP",
         "GPTNeoXForCausalLM": "tested: fused query_key_value, parallel residual",
         "OlmoeForCausalLM": "tested: 16 experts, per-expert checkpoint tensors stacked by transformers' conversion",
+        "OPTForCausalLM": "tested: learned absolute positions, LayerNorm, tied embeddings, a head that calls "
+                          "model.decoder",
     }
     model_impl = "transformers"
     supports_graphs = False  # transformers' code may synchronize the host (MoE routing, dynamic rope): run eagerly
@@ -128,6 +139,9 @@ class TransformersForCausalLM(nn.Module):
             if getattr(module, "is_causal", True) is False:
                 raise ModelLoadError(f"{architecture}: {self.base_prefix}.{name} is not causal attention; the "
                                      f"transformers fallback runs decoders only")
+            if isinstance(getattr(module, "sinks", None), torch.Tensor):
+                raise ModelLoadError(f"{architecture}: {self.base_prefix}.{name} has attention sinks, which pagoda's "
+                                     f"paged attention backends do not add")
             split = parallel.heads_split_of(module)
             self.attention_layers.append(attention.attach_paged_attention(
                 module, self.config, f"{self.base_prefix}.{name}", split))
@@ -167,7 +181,7 @@ class TransformersForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, vocab], by transformers' head code for this architecture."""
         hf_model = self.hf_model
-        hf_model._modules[self.base_prefix] = _HiddenStates(hidden[None])
+        hf_model._modules[self.base_prefix] = _HiddenStates(hidden[None], self.base)
         try:
             out = hf_model(inputs_embeds=hidden[None], use_cache=False)
         finally:
