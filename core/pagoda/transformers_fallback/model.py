@@ -110,10 +110,12 @@ class TransformersForCausalLM(nn.Module):
 
     def __init__(self, config, quant_config=None, prefix: str = ""):
         super().__init__()
-        architecture = (getattr(config, "architectures", None) or [""])[0]
-        reason = support.unsupported_reason(architecture, config)
-        if reason is not None:
-            raise ModelLoadError(f"{architecture}: the transformers fallback cannot run it: {reason}")
+        names = list(getattr(config, "architectures", None) or [])
+        architecture = next((a for a in names if support.unsupported_reason(a, config) is None), None)
+        if architecture is None:
+            first = names[0] if names else "(no architecture)"
+            raise ModelLoadError(f"{first}: the transformers fallback cannot run it: "
+                                 f"{support.unsupported_reason(first, config) if names else 'config.json names none'}")
         from transformers.initialization import no_init_weights
 
         attention.register_attention_function()
@@ -133,28 +135,32 @@ class TransformersForCausalLM(nn.Module):
         parallel.replace_linears(base, self.base_prefix, plan, quant_config)
         parallel.replace_embeddings(hf_model, self.tied)
         parallel.materialize(hf_model, torch.empty(()).device)
-        self.attention_layers = []
-        modules = attention.attention_modules(base)
-        for name, module in modules:
-            if getattr(module, "is_causal", True) is False:
-                raise ModelLoadError(f"{architecture}: {self.base_prefix}.{name} is not causal attention; the "
-                                     f"transformers fallback runs decoders only")
-            if isinstance(getattr(module, "sinks", None), torch.Tensor):
-                raise ModelLoadError(f"{architecture}: {self.base_prefix}.{name} has attention sinks, which pagoda's "
-                                     f"paged attention backends do not add")
-            split = parallel.heads_split_of(module)
-            self.attention_layers.append(attention.attach_paged_attention(
-                module, self.config, f"{self.base_prefix}.{name}", split))
-        layers = getattr(self.config.get_text_config(), "num_hidden_layers", None)
-        if not modules or (isinstance(layers, int) and len(modules) != layers):
-            raise ModelLoadError(f"{architecture}: the transformers fallback found {len(modules)} attention modules "
-                                 f"for {layers} layers; it runs models whose every layer is an attention layer")
+        self.attention_layers = self._attach_paged_attention(base, architecture)
         for name, child in hf_model.named_children():
             self.add_module(name, child)  # parameter names are the checkpoint's
         # not children: their modules are registered above
         object.__setattr__(self, "hf_model", hf_model)
         object.__setattr__(self, "base", base)
         self._verified = False
+
+    def _attach_paged_attention(self, base: nn.Module, architecture: str) -> list:
+        """A paged ``Attention`` on every attention module of ``base``: one per layer, causal, no sinks."""
+        layers = []
+        modules = attention.attention_modules(base)
+        for name, module in modules:
+            where = f"{architecture}: {self.base_prefix}.{name}"
+            if getattr(module, "is_causal", True) is False:
+                raise ModelLoadError(f"{where} is not causal attention; the transformers fallback runs decoders only")
+            if isinstance(getattr(module, "sinks", None), torch.Tensor):
+                raise ModelLoadError(f"{where} has attention sinks, which pagoda's paged attention backends do not "
+                                     f"add")
+            layers.append(attention.attach_paged_attention(module, self.config, f"{self.base_prefix}.{name}",
+                                                           parallel.heads_split_of(module)))
+        count = getattr(self.config.get_text_config(), "num_hidden_layers", None)
+        if not modules or (isinstance(count, int) and len(modules) != count):
+            raise ModelLoadError(f"{architecture}: the transformers fallback found {len(modules)} attention modules "
+                                 f"for {count} layers; it runs models whose every layer is an attention layer")
+        return layers
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids [T], positions [T] -> hidden states [T, H]."""
