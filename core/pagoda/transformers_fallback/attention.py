@@ -98,6 +98,8 @@ def attach_paged_attention(module: nn.Module, config: Any, prefix: str, heads_sp
     kv_heads = _first_int(getattr(module, "num_key_value_heads", None),
                           heads // groups if isinstance(groups, int) and groups > 0 else None,
                           getattr(text, "num_key_value_heads", None), heads)
+    if getattr(module, "kv_lora_rank", None):  # MLA expands its latent into K and V for every head
+        kv_heads = heads
     for what, count in (("attention heads", heads), ("key/value heads", kv_heads)):
         if count % heads_split:
             raise ModelLoadError(f"{prefix}: {count} {what} cannot be split over tensor_parallel_size={heads_split}")
