@@ -1,5 +1,5 @@
-"""docs/models.md is the output of ``pagoda models --markdown`` (pagoda-models only), so the
-table of supported architectures never drifts from the registry."""
+"""docs/models.md is the output of ``pagoda models --markdown`` (pagoda-models and the core's transformers
+fallback), so the tables of supported architectures never drift from the registry."""
 
 from pathlib import Path
 
@@ -18,7 +18,12 @@ def test_models_doc_is_the_commands_output(monkeypatch, capsys):
     finally:
         monkeypatch.delenv("PAGODA_PLUGINS")
         reset_registry()
+    native, fallback = out.split("## Through transformers")
     for arch in ("Phi3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM"):
-        assert f"`{arch}`" in out
+        assert f"| `{arch}` | pagoda-models |" in native and f"`{arch}`" not in fallback  # a native class wins
+    for arch in ("Olmo2ForCausalLM", "GraniteForCausalLM", "StableLmForCausalLM", "CohereForCausalLM"):
+        row = next(line for line in fallback.splitlines() if line.startswith(f"| `{arch}` |"))
+        assert "| pagoda-core (via transformers) |" in row and "| tested: " in row  # tested, and says what
+    assert "`MambaForCausalLM`" not in out  # no attention layers: not run by the fallback
     assert DOC.read_text() == out, ("docs/models.md is stale: regenerate it with "
                                     "`PAGODA_PLUGINS=models pagoda models --markdown > docs/models.md`")

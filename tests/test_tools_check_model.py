@@ -120,7 +120,8 @@ def test_a_checkpoint_directory_is_checked_as_it_is(capsys, tmp_path):
 
 def test_bad_targets_and_flags_are_explained(capsys, tmp_path):
     assert main(["check-model", "NoSuchForCausalLM"]) == 1
-    assert "'NoSuchForCausalLM' is not registered" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "NoSuchForCausalLM is not supported" in err and "has no causal-LM class named NoSuchForCausalLM" in err
     assert main(["check-model", "LlamaForCausalLM", "--variant", "huge"]) == 1
     assert "--variant huge: LlamaForCausalLM has variants gqa, mha-tied" in capsys.readouterr().err
     assert main(["check-model", "LlamaForCausalLM", "--checks", "speed"]) == 1

@@ -47,6 +47,9 @@ def test_minimal_plugin_installs_and_passes_check_model(tmp_path, monkeypatch, c
     monkeypatch.delenv("PAGODA_PLUGINS", raising=False)
     reset_registry()
     assert get_registry().models.entries["GraniteForCausalLM"].provider == "pagoda-granite"
+    from pagoda.selection import resolve_model_class
+
+    assert resolve_model_class(["GraniteForCausalLM"], "x").__module__.startswith("pagoda_granite")  # native wins
     code = main(["check-model", "GraniteForCausalLM", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["passed"], report

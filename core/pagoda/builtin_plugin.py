@@ -1,6 +1,7 @@
 """The core's own hook implementations: the CPU platform, the pure-torch attention
 backends (multi-head, MLA and DeepSeek's sparse MLA), the default KV allocator, the torch reference
-of every kernel op, and the built-in tool-call and reasoning parsers."""
+of every kernel op, the built-in tool-call and reasoning parsers, and the transformers fallback for
+architectures no plugin implements."""
 
 from __future__ import annotations
 
@@ -37,6 +38,13 @@ def register_attention_backends(register):
     register(TorchPagedAttention())
     register(TorchMLAAttention())
     register(TorchSparseMLAAttention())
+
+
+@hookimpl
+def register_models(register):
+    from pagoda.registry import MODEL_FALLBACK
+
+    register(MODEL_FALLBACK, "pagoda.transformers_fallback.model:TransformersForCausalLM")
 
 
 @hookimpl

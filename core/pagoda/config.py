@@ -24,9 +24,20 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
-    model: str | None = Field(None, description="HF model directory, a .gguf file, or a directory holding "
-                              "one; None serves the embedded default (SmolLM2-135M-Instruct)")
-    tokenizer: str | None = Field(None, description="tokenizer directory if not the model's")
+    model: str | None = Field(None, description="HF model directory, a .gguf file (or a directory holding "
+                              "one), or a Hugging Face Hub repo id ORG/NAME (ORG/NAME:FILE.gguf or "
+                              "ORG/NAME:QUANT_TAG for one GGUF file of it); None serves the embedded default "
+                              "(SmolLM2-135M-Instruct)")
+    revision: str | None = Field(None, description="branch, tag or commit of a hub repo id (default: main)")
+    download_dir: str | None = Field(None, description="Hugging Face cache folder that hub repo ids are "
+                                     "downloaded into and read from (default: HF_HUB_CACHE, under HF_HOME)")
+    model_impl: Literal["auto", "pagoda", "transformers"] = Field(
+        "auto", description="pagoda: the architecture's native class; transformers: transformers' modeling code "
+        "on pagoda's paged KV cache (any causal LM transformers implements); auto: native if registered, else "
+        "transformers")
+    tokenizer: str | None = Field(None, description="tokenizer directory or hub repo id if not the model's")
+    tokenizer_revision: str | None = Field(None, description="branch, tag or commit of a hub tokenizer "
+                                           "(default: main)")
     served_model_name: str | None = Field(None, description="name reported by the API; default: the model")
     dtype: str = Field("auto", description="float32, float16, bfloat16, or auto (the platform's default)")
     device: str = Field("auto", description="platform name (cpu, cuda, ...) or auto (highest priority "

@@ -17,7 +17,7 @@ import pluggy
 
 from pagoda import hookspecs
 from pagoda.errors import PluginError
-from pagoda.registry import KernelRegistry, PluginInfo, Registry
+from pagoda.registry import MODEL_FALLBACK, KernelRegistry, PluginInfo, Registry
 
 ENTRY_POINT_GROUP = "pagoda"
 CORE_DISTRIBUTION = "pagoda-core"
@@ -89,7 +89,8 @@ def _make_register(hook: str, reg: PluginRegistry, provider: str, info: PluginIn
 
     def register_model(architecture: str, model) -> None:
         reg.models.add(architecture, model, provider)
-        names.append(architecture)
+        names.append(architecture if architecture != MODEL_FALLBACK else
+                     f"{MODEL_FALLBACK} (the fallback for architectures no class is registered for)")
 
     def register_quantizer(quantizer) -> None:
         reg.quantizers.add(quantizer.name, quantizer, provider)

@@ -28,6 +28,9 @@ KNOWN_PROVIDERS = {
     ("quantizer", "mixed"): "pagoda-quant",
 }
 MODELS_DISTRIBUTION = "pagoda-models"
+# register_models name of a fallback: a class with ``supports(architecture, hf_config) -> reason | None``
+# that runs architectures no class is registered for by name (the core's runs transformers' code)
+MODEL_FALLBACK = "*"
 logger = logging.getLogger("pagoda")
 
 

@@ -14,7 +14,7 @@ from typing import Any
 from pagoda.errors import ModelLoadError, PluginError
 from pagoda.interfaces import AttentionBackend, AttentionSpec, KVAllocator, Platform, Quantizer
 from pagoda.plugins import PluginRegistry, get_registry
-from pagoda.registry import KNOWN_PROVIDERS, MODELS_DISTRIBUTION, resolve_lazy
+from pagoda.registry import KNOWN_PROVIDERS, MODEL_FALLBACK, MODELS_DISTRIBUTION, resolve_lazy
 
 logger = logging.getLogger("pagoda")
 
@@ -122,21 +122,69 @@ def select_attention_backend(name: str, platform: Platform, dtype: str, spec: At
                       + reg.failure_note())
 
 
-def resolve_model_class(architectures: list[str], source: str, reg: PluginRegistry | None = None) -> Any:
+MODEL_IMPLS = ("auto", "pagoda", "transformers")
+
+
+def resolve_model_class(architectures: list[str], source: str, reg: PluginRegistry | None = None,
+                        model_impl: str = "auto", hf_config: Any = None) -> Any:
+    """The model class for a checkpoint's ``architectures``.
+
+    ``model_impl``: ``pagoda`` takes only a class registered under the architecture's name (a native
+    implementation), ``transformers`` only a fallback registered as ``"*"`` (the core's runs
+    transformers' modeling code), ``auto`` the native class when there is one, else the fallback
+    (refused when a plugin failed to load: it might have been the native one)."""
     reg = reg or get_registry()
-    for arch in architectures:
-        if arch in reg.models:
-            entry = reg.models.entries[arch]
-            try:
-                return resolve_lazy(entry.obj)
-            except Exception as exc:
-                raise PluginError(f"architecture {arch} is registered by {entry.provider} but its "
-                                  f"model class failed to import: {type(exc).__name__}: {exc}") from exc
-    known = ", ".join(reg.models.names()) or "none: is pagoda-models installed?"
+    if model_impl not in MODEL_IMPLS:
+        raise ModelLoadError(f"model_impl {model_impl!r} is not one of {', '.join(MODEL_IMPLS)}")
+    if model_impl != "transformers":
+        for arch in architectures:
+            if arch in reg.models and arch != MODEL_FALLBACK:
+                entry = reg.models.entries[arch]
+                try:
+                    return resolve_lazy(entry.obj)
+                except Exception as exc:
+                    raise PluginError(f"architecture {arch} is registered by {entry.provider} but its "
+                                      f"model class failed to import: {type(exc).__name__}: {exc}") from exc
+    native = ", ".join(n for n in reg.models.names() if n != MODEL_FALLBACK) or \
+        f"none: is {MODELS_DISTRIBUTION} installed?"
+    named = ", ".join(architectures) or "(none given)"
+    if model_impl == "pagoda":
+        raise ModelLoadError(f"{source}: architecture {named} has no native pagoda implementation (model_impl: "
+                             f"pagoda; native architectures: {native}); model_impl auto or transformers runs it "
+                             f"through transformers' modeling code" + reg.failure_note())
+    if model_impl == "auto" and reg.failed():
+        raise ModelLoadError(f"{source}: architecture {named} is not registered (native architectures: {native})."
+                             + reg.failure_note() + " One of them may provide it: fix it, or set model_impl: "
+                             "transformers to run the model through transformers' modeling code")
+    fallback, reason = _fallback_class(architectures, reg, hf_config)
+    if fallback is not None:
+        if model_impl == "auto":
+            logger.info("architecture %s has no native pagoda implementation: running it through transformers' "
+                        "modeling code (%s)", named, reg.models.entries[MODEL_FALLBACK].provider)
+        return fallback
     raise ModelLoadError(
-        f"{source}: architecture {', '.join(architectures) or '(none given)'} is not supported "
-        f"(registered architectures: {known}). Model plugins such as {MODELS_DISTRIBUTION} add "
-        f"architectures." + reg.failure_note())
+        f"{source}: architecture {named} is not supported (native architectures: {native}; "
+        f"the transformers fallback: {reason}). Model plugins such as {MODELS_DISTRIBUTION} add architectures."
+        + reg.failure_note())
+
+
+def _fallback_class(architectures: list[str], reg: PluginRegistry, hf_config: Any) -> tuple[Any, str]:
+    """The class registered as ``"*"`` when it supports one of ``architectures``, else (None, why not)."""
+    entry = reg.models.entries.get(MODEL_FALLBACK)
+    if entry is None:
+        return None, "none is registered"
+    try:
+        cls = resolve_lazy(entry.obj)
+    except Exception as exc:
+        raise PluginError(f"the model fallback registered by {entry.provider} failed to import: "
+                          f"{type(exc).__name__}: {exc}") from exc
+    reasons = []
+    for arch in architectures:
+        why = cls.supports(arch, hf_config)
+        if why is None:
+            return cls, ""
+        reasons.append(why)
+    return None, "; ".join(reasons) or "the checkpoint names no architecture"
 
 
 def select_allocator(platform: Platform, reg: PluginRegistry | None = None) -> KVAllocator:

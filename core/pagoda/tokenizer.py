@@ -11,6 +11,25 @@ logger = logging.getLogger("pagoda")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+def tokenizer_location(tokenizer: str | None, source: ModelSource, revision: str | None = None,
+                       download_dir: str | None = None) -> str | None:
+    """The local folder of ``tokenizer`` (a directory or a hub repo id, fetched at ``revision``); None:
+    the model's own. A hub model with a ``tokenizer_revision`` takes its tokenizer from that revision."""
+    from pathlib import Path
+
+    from pagoda.loader.hub import download, parse_hub_reference
+
+    if tokenizer is None and revision is not None and source.repo_id is not None:
+        tokenizer = source.repo_id
+    if tokenizer is None or Path(tokenizer).expanduser().exists():
+        return tokenizer
+    ref = parse_hub_reference(tokenizer)
+    if ref is None or ref.gguf:
+        raise ModelLoadError(f"tokenizer {tokenizer!r} does not exist: give a tokenizer directory or a Hugging Face "
+                             f"Hub repo id ORG/NAME")
+    return str(download(ref, revision, download_dir, tokenizer_only=True))
+
+
 def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None):
     from transformers import AutoTokenizer
 

@@ -27,7 +27,7 @@ MAX_TICK_TOKENS = 24  # label the axes with the tokens of prompts up to this lon
 def add_parser(sub) -> None:
     p = sub.add_parser("attention-map", help="render attention heatmaps and statistics of a prompt",
                        description=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--model", required=True, help="HF model directory (or .gguf)")
+    p.add_argument("--model", required=True, help="HF model directory, .gguf file or hub repo id ORG/NAME")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text (tokenized with the model's tokenizer)")
     source.add_argument("--prompt-ids", help="prompt as comma-separated token ids")

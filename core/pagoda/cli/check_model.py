@@ -28,6 +28,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
     p.add_argument("--keep", metavar="DIR", default=None, help="write the tiny checkpoints here and keep them")
+    p.add_argument("--model-impl", default="auto", choices=("auto", "pagoda", "transformers"),
+                   help="which implementation to check: auto (native if registered, else the transformers "
+                        "fallback), pagoda (native only) or transformers (the fallback, also for native architectures)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
 
@@ -43,7 +46,7 @@ def run(args) -> int:
 
     hf_logging.disable_progress_bar()  # one bar per tiny checkpoint written and read drowns the table
     report = check_model(args.target, variants=args.variant, checks=checks, workdir=args.keep, atol=args.atol,
-                         rtol=args.rtol, max_tokens=args.max_tokens, seed=args.seed)
+                         rtol=args.rtol, max_tokens=args.max_tokens, seed=args.seed, model_impl=args.model_impl)
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     else:

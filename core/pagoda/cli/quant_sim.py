@@ -175,7 +175,7 @@ def simulate(config, method: Any, args) -> dict:
     from pagoda.loader.source import resolve_source
 
     q_config = config.model_copy(update={"quantization": method})
-    hf_config = load_config(resolve_source(config.model))
+    hf_config = load_config(resolve_source(config.model, config.revision, config.download_dir))
     if getattr(hf_config, "quantization_config", None):
         raise ConfigError(f"{config.model} is already quantized (config.json quantization_config); quant-sim "
                           f"needs a full-precision checkpoint")

@@ -1,6 +1,7 @@
 """``pagoda serve``: the OpenAI- and Ollama-compatible HTTP server.
 
     pagoda serve                                  # the embedded default model on 127.0.0.1:8000
+    pagoda serve Qwen/Qwen3-8B                    # a Hugging Face Hub repo id (downloaded once, then cached)
     pagoda serve --config serve.yaml --port 9000  # flags override the file's engine:/server: keys
 """
 
@@ -15,6 +16,7 @@ from pagoda.server.config import ServerConfig, load_server_config
 
 # ServerConfig keys whose flag another group already defines (the engine's --served-model-name)
 SHARED_WITH_ENGINE = ("served_model_name",)
+SERVE_STEP_TOKENS = 8192
 
 
 def _flag(name: str) -> str:
@@ -48,9 +50,27 @@ def add_parser(sub) -> None:
                        "(default model: SmolLM2-135M-Instruct)",
                        description="Serve a model over HTTP: /v1/completions, /v1/chat/completions, /v1/models, "
                        "/api/generate, /api/chat, /api/tags, /health, /metrics. See docs/serving.md.")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model: a hub repo id ORG/NAME (ORG/NAME:FILE.gguf), a directory or a .gguf file "
+                        "(same as --model)")
     add_engine_args(p)
     add_server_args(p)
     p.set_defaults(func=run)
+
+
+def serve_engine_config(args: argparse.Namespace):
+    """The engine config of ``pagoda serve [MODEL] [flags]``."""
+    from pagoda.errors import ConfigError
+
+    tag, flag = getattr(args, "model_tag", None), getattr(args, "model", None)
+    if tag is not None and flag is not None and tag != flag:
+        raise ConfigError(f"pagoda serve was given two models: {tag!r} and --model {flag!r}; give one")
+    if tag is not None:
+        args.model = tag
+    config = engine_config_from_args(args)
+    if config.max_num_batched_tokens is None:  # a server keeps decode steps short while prompts arrive
+        config.max_num_batched_tokens = SERVE_STEP_TOKENS
+    return config
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -59,16 +79,12 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return load_server_config(getattr(args, "config_file", None), **values)
 
 
-SERVE_STEP_TOKENS = 8192
-
 
 def run(args) -> int:
     from pagoda.server.runner import bind, build_app, run_server
 
     server_config = server_config_from_args(args)  # checks the file's sections first
-    engine_config = engine_config_from_args(args)
-    if engine_config.max_num_batched_tokens is None:  # a server keeps decode steps short while prompts arrive
-        engine_config.max_num_batched_tokens = SERVE_STEP_TOKENS
+    engine_config = serve_engine_config(args)
     from pagoda.distributed.process_group import launcher_env
 
     launched = launcher_env()

@@ -93,7 +93,9 @@ def _start_local_run(config, source, hf_config, platform, dtype) -> TensorParall
                           "engine?): one tensor-parallel engine per process; shut the other down first "
                           "(LLM.shutdown())")
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-    store.set(CONFIG_KEY, config.model_dump_json())
+    # a hub model is fetched once, by rank 0 (already done): the workers read its local copy
+    local = config.model_copy(update={"model": str(source.path)}) if getattr(source, "repo_id", None) else config
+    store.set(CONFIG_KEY, local.model_dump_json())
     store.set(PLATFORM_KEY, platform.name)
     store.set(DTYPE_KEY, dtype)
     workers = LocalWorkers(world, f"127.0.0.1:{store.port}")

@@ -97,7 +97,7 @@ def main() -> int:
         config = EngineConfig.model_validate_json(store.get(CONFIG_KEY))
         platform = select_platform(store.get(PLATFORM_KEY).decode())
         dtype = store.get(DTYPE_KEY).decode()
-        source = resolve_source(config.model)
+        source = resolve_source(config.model, config.revision, config.download_dir)
         hf_config = load_config(source)
         info = RankInfo(rank, world, rank, world, "pagoda")
         store.set(READY_KEY.format(rank=rank), "1")

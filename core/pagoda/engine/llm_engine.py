@@ -26,7 +26,7 @@ from pagoda.sampling_params import SamplingParams
 from pagoda.scheduler import Scheduler
 from pagoda.selection import select_platform
 from pagoda.sequence import Request, Sequence, SequenceStatus
-from pagoda.tokenizer import load_tokenizer
+from pagoda.tokenizer import load_tokenizer, tokenizer_location
 
 logger = logging.getLogger("pagoda")
 
@@ -53,10 +53,12 @@ class LLMEngine:
         if why is not None:
             raise ConfigError(f"dtype {config.dtype!r}: {self.platform.name} cannot compute in {dtype}: {why}")
         self.dtype = dtype
-        self.source = resolve_source(config.model)
+        self.source = resolve_source(config.model, config.revision, config.download_dir)
         self.hf_config = load_config(self.source)
         self.model_name = config.served_model_name or self.source.name
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(self.source, config.tokenizer)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
+            self.source, tokenizer_location(config.tokenizer, self.source, config.tokenizer_revision,
+                                            config.download_dir))
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.max_model_len = self._max_model_len()
         # one device: a ModelRunner; tensor_parallel_size > 1 or torchrun: rank 0's executor

@@ -304,6 +304,9 @@ class ModelRunner:
         """Capture decode graphs where the platform and every backend allow it."""
         if self.config.enforce_eager or not self.platform.supports_graphs:
             return
+        if not getattr(self.model, "supports_graphs", True):
+            logger.info("graphs off: %s runs eagerly", type(self.model).__name__)
+            return
         if not all(b.supports_graphs for b in self.backends.values()):
             logger.info("graphs off: attention backend %s cannot be captured",
                         [b.name for b in self.backends.values() if not b.supports_graphs])

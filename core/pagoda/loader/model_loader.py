@@ -94,7 +94,7 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
 def build_model(config: EngineConfig, source: ModelSource, hf_config: Any, dtype: torch.dtype,
                 device: torch.device) -> nn.Module:
     architectures = list(getattr(hf_config, "architectures", None) or [])
-    cls = resolve_model_class(architectures, str(source.path))
+    cls = resolve_model_class(architectures, str(source.path), model_impl=config.model_impl, hf_config=hf_config)
     quant_config = resolve_quant_config(hf_config, config)
     with torch.device(device), default_dtype(dtype):
         model = cls(hf_config, quant_config=quant_config, prefix="")

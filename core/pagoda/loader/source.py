@@ -1,4 +1,5 @@
-"""Where a model comes from: an HF directory, a GGUF file, or the embedded default."""
+"""Where a model comes from: an HF directory, a GGUF file, a Hugging Face Hub repo id, or the
+embedded default."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 @dataclass
 class ModelSource:
     kind: str  # "hf" or "gguf"
-    path: Path  # the directory (hf) or the .gguf file
+    path: Path  # the directory (hf) or the .gguf file (for a hub repo id: in the local cache)
     name: str  # what the API reports
+    repo_id: str | None = None  # the Hugging Face Hub repo it came from
 
     @property
     def directory(self) -> Path:
@@ -38,24 +40,40 @@ def default_model_path() -> Path:
     return path
 
 
-def resolve_source(model: str | None) -> ModelSource:
+def resolve_source(model: str | None, revision: str | None = None, download_dir: str | None = None) -> ModelSource:
+    """``model``: None (the embedded default), a local HF directory, a .gguf file (or a directory
+    holding one), or a hub repo id ``ORG/NAME`` (``ORG/NAME:FILE.gguf`` or ``ORG/NAME:QUANT_TAG`` for
+    one GGUF file of the repo) fetched at ``revision`` into ``download_dir`` (default: the Hugging
+    Face cache)."""
     if model is None:
         return ModelSource("gguf", default_model_path(), DEFAULT_MODEL_NAME)
     path = Path(model).expanduser()
+    if path.exists():
+        return local_source(path, model)
+    from pagoda.loader.hub import download, parse_hub_reference
+
+    ref = parse_hub_reference(model)
+    if ref is None:
+        raise ModelLoadError(f"model {model!r} does not exist: give a local model directory, a .gguf file, or a "
+                             f"Hugging Face Hub repo id ORG/NAME (ORG/NAME:FILE.gguf for a GGUF file)")
+    local = download(ref, revision, download_dir)
+    if ref.gguf:
+        return ModelSource("gguf", local, str(ref), ref.repo_id)
+    return ModelSource("hf", local, ref.repo_id, ref.repo_id)
+
+
+def local_source(path: Path, model: str) -> ModelSource:
     if path.is_file():
         if path.suffix == ".gguf":
             return ModelSource("gguf", path, path.stem)
         raise ModelLoadError(f"model {model!r} is a file but not a .gguf; give a model directory "
                              f"(with config.json) or a .gguf file")
-    if path.is_dir():
-        if (path / "config.json").is_file():
-            return ModelSource("hf", path, path.name)
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return ModelSource("gguf", ggufs[0], ggufs[0].stem)
-        if len(ggufs) > 1:
-            raise ModelLoadError(f"model directory {path} holds several .gguf files "
-                                 f"({', '.join(g.name for g in ggufs)}); name one of them")
-        raise ModelLoadError(f"model directory {path} has no config.json and no .gguf file")
-    raise ModelLoadError(f"model {model!r} does not exist (pagoda loads local directories and .gguf "
-                         f"files; it downloads nothing)")
+    if (path / "config.json").is_file():
+        return ModelSource("hf", path, path.name)
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ModelSource("gguf", ggufs[0], ggufs[0].stem)
+    if len(ggufs) > 1:
+        raise ModelLoadError(f"model directory {path} holds several .gguf files "
+                             f"({', '.join(g.name for g in ggufs)}); name one of them")
+    raise ModelLoadError(f"model directory {path} has no config.json and no .gguf file")

@@ -194,9 +194,10 @@ def checkpoint_tensor_names(directory: str | Path) -> list[str]:
     return names
 
 
-def check_weights(directory: str | Path) -> CheckResult:
-    """Build the model of a checkpoint directory and run its ``load_weights`` over a
-    ``WeightStream``: every checkpoint tensor must be read and every parameter filled."""
+def check_weights(directory: str | Path, model_impl: str = "auto") -> CheckResult:
+    """Build the model of a checkpoint directory (the class ``model_impl`` selects) and run its
+    ``load_weights`` over a ``WeightStream``: every checkpoint tensor must be read and every
+    parameter filled."""
     from pagoda.config import EngineConfig
     from pagoda.errors import PagodaError
     from pagoda.loader.model_loader import default_dtype, load_config, resolve_quant_config, weight_stream
@@ -205,7 +206,8 @@ def check_weights(directory: str | Path) -> CheckResult:
 
     source = resolve_source(str(directory))
     hf_config = load_config(source)
-    cls = resolve_model_class(list(getattr(hf_config, "architectures", None) or []), str(source.path))
+    cls = resolve_model_class(list(getattr(hf_config, "architectures", None) or []), str(source.path),
+                              model_impl=model_impl, hf_config=hf_config)
     quant_config = resolve_quant_config(hf_config, EngineConfig(model=str(directory)))
     with torch.device("cpu"), default_dtype(torch.float32):
         model = cls(hf_config, quant_config=quant_config, prefix="")
@@ -233,8 +235,8 @@ def check_weights(directory: str | Path) -> CheckResult:
                                         f"parameters loaded", metrics)
 
 
-def assert_weights_consumed(directory: str | Path) -> CheckResult:
-    return check_weights(directory).assert_passed()
+def assert_weights_consumed(directory: str | Path, model_impl: str = "auto") -> CheckResult:
+    return check_weights(directory, model_impl).assert_passed()
 
 
 def _some(names: list[str], n: int = 5) -> str:

@@ -73,20 +73,19 @@ class Target:
     checkpoint: Path | None = None  # an existing checkpoint, checked as it is
 
 
-def _model_class(architecture: str, where: str):
-    from pagoda.plugins import get_registry
+def _model_class(architecture: str, where: str, model_impl: str = "auto"):
+    """The class that runs ``architecture``: its native class, else (or with ``model_impl:
+    transformers``) the transformers fallback."""
+    from pagoda.errors import ModelLoadError
     from pagoda.selection import resolve_model_class
 
-    reg = get_registry()
-    if architecture not in reg.models:
-        known = ", ".join(reg.models.names()) or "none"
-        raise ConfigError(f"{where}: architecture {architecture!r} is not registered by any installed plugin "
-                          f"(registered: {known}); install the plugin that provides it"
-                          + reg.failure_note())
-    return resolve_model_class([architecture], where, reg)
+    try:
+        return resolve_model_class([architecture], where, model_impl=model_impl)
+    except ModelLoadError as exc:
+        raise ConfigError(f"{exc}; install the plugin that provides it") from None
 
 
-def resolve_target(target: str) -> Target:
+def resolve_target(target: str, model_impl: str = "auto") -> Target:
     import json
 
     from pagoda.testing.tiny import reference_model_type
@@ -106,7 +105,7 @@ def resolve_target(target: str) -> Target:
         architecture = (raw.get("architectures") or [""])[0]
         if not architecture:
             raise ConfigError(f"{config_file}: no 'architectures' list names the model class")
-        cls = _model_class(architecture, str(config_file))
+        cls = _model_class(architecture, str(config_file), model_impl)
         if path.is_dir() and (any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file()):
             from pagoda.testing.tiny import known_model_type
 
@@ -120,20 +119,21 @@ def resolve_target(target: str) -> Target:
     if path.suffix == ".json" or "/" in target:
         raise ConfigError(f"{target}: no such file or directory (check-model takes an architecture name, a "
                           f"checkpoint directory, or a config.json)")
-    cls = _model_class(target, "check-model")
+    cls = _model_class(target, "check-model", model_impl)
     variants = variants_for_architecture(target, cls)
     return Target(target, cls, variants[0].model_type, variants)
 
 
 def check_model(target: str, variants: list[str] | None = None, checks: tuple[str, ...] = CHECKS,
                 workdir: str | Path | None = None, atol: float = 1e-4, rtol: float = 1e-4,
-                max_tokens: int = 32, seed: int = 0) -> ConformanceReport:
+                max_tokens: int = 32, seed: int = 0, model_impl: str = "auto") -> ConformanceReport:
     """Run the conformance checks of ``target`` and return the report (it never raises for a
-    failing check; a target that cannot be resolved raises ConfigError)."""
+    failing check; a target that cannot be resolved raises ConfigError). ``model_impl``: which
+    implementation pagoda runs (``transformers`` checks the fallback on a native architecture)."""
     bad = [c for c in checks if c not in CHECKS]
     if bad:
         raise ConfigError(f"--checks: unknown check {', '.join(bad)} (choose from {', '.join(CHECKS)})")
-    resolved = resolve_target(target)
+    resolved = resolve_target(target, model_impl)
     chosen = resolved.variants
     if variants:
         names = [v.name for v in chosen]
@@ -147,7 +147,7 @@ def check_model(target: str, variants: list[str] | None = None, checks: tuple[st
         root = Path(workdir) if workdir is not None else Path(tmp)
         if resolved.checkpoint is not None:
             report.variants.append(_run(resolved.checkpoint, "checkpoint", resolved.reference, checks, atol, rtol,
-                                        max_tokens, seed))
+                                        max_tokens, seed, model_impl))
         for variant in chosen:
             directory = root / variant.name
             try:
@@ -159,7 +159,7 @@ def check_model(target: str, variants: list[str] | None = None, checks: tuple[st
                 report.variants.append(failed)
                 continue
             report.variants.append(_run(directory, variant.name, variant.model_type, checks, atol, rtol,
-                                        max_tokens, seed))
+                                        max_tokens, seed, model_impl))
     return report
 
 
@@ -171,14 +171,14 @@ def _guard(name: str, fn) -> CheckResult:
 
 
 def _run(directory: Path, name: str, reference: str | None, checks: tuple[str, ...], atol: float, rtol: float,
-         max_tokens: int, seed: int) -> VariantReport:
+         max_tokens: int, seed: int, model_impl: str = "auto") -> VariantReport:
     import torch
 
     from pagoda import LLM
 
     report = VariantReport(name, str(directory))
     if "weights" in checks:
-        report.checks.append(_guard("weights", lambda: check_weights(directory)))
+        report.checks.append(_guard("weights", lambda: check_weights(directory, model_impl)))
     if not {"prompt_logits", "kv_cache", "greedy"} & set(checks):
         return report
     try:
@@ -194,7 +194,7 @@ def _run(directory: Path, name: str, reference: str | None, checks: tuple[str, .
         prompts = random_prompts(1, vocab, 9, 40, seed=seed + 3) + random_prompts(1, vocab, 90, 90, seed=seed + 4)
         try:
             llm = LLM(model=str(directory), device="cpu", dtype="float32", block_size=8, num_kv_blocks=16,
-                      max_model_len=128, enable_prefix_caching=False)
+                      max_model_len=128, enable_prefix_caching=False, model_impl=model_impl)
         except Exception as exc:
             for check in ("prompt_logits", "kv_cache"):
                 if check in checks:
@@ -210,5 +210,6 @@ def _run(directory: Path, name: str, reference: str | None, checks: tuple[str, .
     if "greedy" in checks:
         prompts = random_prompts(6, vocab, 5, 45, seed=seed + 7)
         report.checks.append(_guard("greedy", lambda: check_greedy(directory, prompts, max_tokens, hf,
-                                                                    stepwise=True)[0]))
+                                                                    stepwise=True,
+                                                                    engine={"model_impl": model_impl})[0]))
     return report
