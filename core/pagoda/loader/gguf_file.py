@@ -4,6 +4,7 @@ weights dequantized at load under their HF names (Llama-family architectures).""
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Iterator
 from functools import cached_property
 from pathlib import Path
@@ -27,7 +28,18 @@ LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+PLAIN_FLOAT_TYPES = ("F32", "F16")
 TOKEN_TYPE_CONTROL = 3
+
+
+def _as_tensor(data: np.ndarray) -> torch.Tensor:
+    """A tensor over ``data`` without copying it when it is a view of the mapped file (read-only: the
+    loaders only read it; a parameter copies it)."""
+    if not data.flags.writeable:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "the given NumPy array is not writable"
+            return torch.from_numpy(data)
+    return torch.from_numpy(data)
 
 
 @functools.lru_cache(maxsize=2)
@@ -149,11 +161,17 @@ class GGUFCheckpoint:
                 name = f"{GLOBAL_TENSORS[stem]}.{kind}"
             else:
                 continue  # e.g. rope_freqs: derived from the config instead
-            if keeps_raw is not None and keeps_raw(name, t.tensor_type.name):
+            raw = keeps_raw is not None and keeps_raw(name, t.tensor_type.name)
+            if raw:
                 data = t.data  # uint8 [rows, bytes]: rows are output channels, as after dequantization
+            elif t.tensor_type.name in PLAIN_FLOAT_TYPES:
+                data = t.data
             else:
                 data = self._dequantized(t)
             if self.arch == "llama" and stem.startswith("blk.") and base in ("attn_q", "attn_k"):
                 data = self._reverse_permute(data, heads if base == "attn_q" else kv_heads)
             sources[name] = self.path.name
-            yield name, torch.from_numpy(np.array(data, copy=True))
+            tensor = _as_tensor(data)
+            # the file's type (blocks when uint8, else already float), read by the gguf quantization method
+            tensor.ggml_type = t.tensor_type.name
+            yield name, tensor
