@@ -73,8 +73,11 @@ class LLMEngine:
                            "shared between sequences; lower max_model_len to the switch length to keep it")
             prefix_caching = False
         self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching)
-        step_tokens = config.max_num_batched_tokens or self.platform.default_max_num_batched_tokens()
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, step_tokens, self.max_model_len)
+        from pagoda.engine.step_budget import choose_step_budget
+
+        self.step_budget = choose_step_budget(config, self.platform, self.runner.model)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.step_budget.tokens, self.max_model_len,
+                                   idle_step_tokens=self.step_budget.idle_tokens)
         self.runner.capture_graphs(config.max_num_seqs, self.max_model_len)
         # offline steps launched ahead of the host work: every step on one CUDA device
         # (pagoda.engine.pipeline), decode steps of a tensor-parallel engine (pagoda.engine.lookahead)

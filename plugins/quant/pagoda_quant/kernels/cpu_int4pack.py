@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 # rows from which a call widens the weights and runs the float GEMM (the int4 kernel's per-row cost
 # then exceeds the widening's one-off pass over the weights)
-DEQUANT_ROWS = 24
+DEQUANT_ROWS = 128
 GROUP = 32
 
 
