@@ -116,3 +116,32 @@ def test_main_command_of_the_readme():
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
+
+
+def test_gguf_config_and_tokenizer_load_without_transformers():
+    """Start-up: the GGUF file's config and tokenizer come without importing transformers (its import was
+    most of LLM()'s time and ~200 MB); the tokenizer answers as transformers' would."""
+    code = ("import sys; from pagoda.loader.source import resolve_source; from pagoda.loader.gguf_file import "
+            "open_gguf; g = open_gguf(resolve_source(None).path); c = g.hf_config(); t = g.tokenizer(); "
+            "assert c.num_hidden_layers == 30 and c.tie_word_embeddings and t.eos_token_id == 2; "
+            "assert not [m for m in sys.modules if m.startswith('transformers')], 'transformers was imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_gguf_tokenizer_matches_transformers(packed):
+    tok = packed.tokenizer
+    hf = tok.hf  # the transformers tokenizer of the same vocabulary
+    for text in ("The capital of France is", "naïve café — 東京 🚀 ok", "<|im_start|>user\nhi<|im_end|>\n",
+                 "  spaces   and\ttabs\n\n", "x" * 40 + " 12345 "):
+        ids = tok.encode(text)
+        assert ids == hf.encode(text)
+        for skip in (False, True):
+            assert tok.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+    messages = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
+                {"role": "user", "content": "thanks"}]
+    for add in (True, False):
+        assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add) == \
+            hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
+    assert (tok.eos_token_id, tok.bos_token_id) == (hf.eos_token_id, hf.bos_token_id)
+    assert tok.convert_ids_to_tokens([1, 2]) == hf.convert_ids_to_tokens([1, 2])

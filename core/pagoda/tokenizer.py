@@ -12,8 +12,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None):
-    from transformers import AutoTokenizer
-
     if tokenizer_path is not None:
         path = tokenizer_path
     elif source.kind == "gguf":
@@ -25,6 +23,8 @@ def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None):
         if not any((source.path / f).is_file() for f in TOKENIZER_FILES):
             logger.warning("%s has no tokenizer files: prompts must be token ids", path)
             return None
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as exc:

@@ -80,6 +80,28 @@ class _Cursor:
         return self.unpack(SCALARS[kind])
 
 
+def release_pages(tensor) -> None:
+    """Tell the kernel this process no longer needs the pages of the mapped file under ``tensor`` (a
+    read-only view from ``read_gguf``): they leave its resident memory and are read again from the page
+    cache if touched. Nothing for tensors that own their memory, or where madvise is missing."""
+    base = getattr(tensor, "_gguf_mapped", None)
+    if base is None:
+        return
+    import ctypes
+
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    first, last = -(-start // page) * page, end // page * page
+    if last <= first:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), 4)  # MADV_DONTNEED
+    except (OSError, AttributeError):
+        pass
+
+
 def read_gguf(path: str | Path) -> tuple[dict[str, Any], list[GGUFTensor]]:
     """(metadata key -> value, tensors in file order) of a GGUF file."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType

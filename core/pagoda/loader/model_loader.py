@@ -121,10 +121,26 @@ def build_model(config: EngineConfig, source: ModelSource, hf_config: Any, dtype
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise ModelLoadError(f"{source.path}: the checkpoint lacks weights the model needs: {shown}")
+    on_cpu = torch.device(device).type == "cpu"
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(module)
+            if on_cpu:
+                _trim_heap()  # each layer's transient decoding memory goes before the next layer's
     model.eval()
     model.requires_grad_(False)
+    if on_cpu:
+        _trim_heap()
     return model
+
+
+def _trim_heap() -> None:
+    """Give the memory that loading freed (decoded and widened tensors) back to the system: glibc keeps
+    freed heap blocks in the process otherwise, and they count in its resident size."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -42,7 +42,24 @@ class PackedPlane:
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
         self.scales_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
         # codes kept for widening only where the packed layout cannot be read back (see unpack_layout)
-        self.codes = None if unpack_layout() is not None else _pack_nibbles(codes)
+        self.codes = None if unpack_layout() is not None and n % 32 == 0 else _pack_nibbles(codes)
+
+    @classmethod
+    def empty_like(cls, part: PackedPlane, rows: int) -> PackedPlane:
+        """An unfilled plane of ``rows`` rows shaped like ``part`` (filled by ``write_rows``; packing works
+        on blocks of 32 rows, so parts of multiples of 64 rows pack as the whole would)."""
+        out = cls.__new__(cls)
+        out.n, out.k = rows, part.k
+        out.packed = part.packed.new_empty((rows, *part.packed.shape[1:]))
+        out.scales_zeros = part.scales_zeros.new_empty((part.scales_zeros.shape[0], rows, 2))
+        out.codes = None if part.codes is None else part.codes.new_empty((rows, *part.codes.shape[1:]))
+        return out
+
+    def write_rows(self, start: int, part: PackedPlane) -> None:
+        self.packed[start:start + part.n].copy_(part.packed)
+        self.scales_zeros[:, start:start + part.n].copy_(part.scales_zeros)
+        if self.codes is not None:
+            self.codes[start:start + part.n].copy_(part.codes)
 
     def nbytes(self) -> int:
         extra = self.codes.numel() if self.codes is not None else 0

@@ -103,11 +103,12 @@ class _Segment:
         return sum(p.nbytes() for p in self.planes)
 
 
+PACK_ROWS = 4096  # rows decoded and packed at a time: the transient codes stay a few MB
+
+
 def _segments(pieces: list[tuple[torch.Tensor, str | None]], dtype: torch.dtype) -> list[_Segment]:
     """(rows, GGML type or None for float) per fused piece, in output order -> segments, pieces of one
     type merged (one kernel call for q, k and v when they share a type)."""
-    from pagoda_quant.kernels.cpu_int4pack import PackedPlane
-
     runs: list[list] = []
     for tensor, kind in pieces:
         if runs and runs[-1][0] == kind:
@@ -119,18 +120,48 @@ def _segments(pieces: list[tuple[torch.Tensor, str | None]], dtype: torch.dtype)
         rows = sum(t.shape[0] for t in tensors)
         if kind is None:
             out.append(_Segment(rows, weight=torch.cat([t.to(dtype) for t in tensors])))
-            continue
-        codes = [decode(t, kind) for t in tensors]
-        merged = codes[0]
-        if len(codes) > 1:
-            merged.codes = torch.cat([c.codes for c in codes])
-            merged.scale = torch.cat([c.scale for c in codes])
-            merged.offset = torch.cat([c.offset for c in codes])
-        if rows % 16:  # the packed layout works in blocks of 16 output rows
-            out.append(_Segment(rows, weight=merged.dequantize().to(dtype)))
-            continue
-        out.append(_Segment(rows, planes=[PackedPlane(p.codes, p.scale, p.zero) for p in to_planes(merged)]))
+        elif rows % 16:  # the packed layout works in blocks of 16 output rows
+            out.append(_Segment(rows, weight=torch.cat([decode(t, kind).dequantize().to(dtype) for t in tensors])))
+        else:
+            out.append(_Segment(rows, planes=_packed_planes(tensors, kind)))
+        for t in tensors:
+            release_file_pages(t)
     return out
+
+
+def _packed_planes(tensors: list[torch.Tensor], kind: str):
+    """Int4 planes of the rows of ``tensors`` (block rows of one type), decoded and packed a few
+    thousand rows at a time into preallocated planes (no copy of the whole weight at any point)."""
+    from pagoda_quant.kernels.cpu_int4pack import PackedPlane
+
+    chunks = []
+    for t in tensors:
+        chunks += [t[i:i + PACK_ROWS] for i in range(0, t.shape[0], PACK_ROWS)]
+    if any(c.shape[0] % 64 for c in chunks[:-1]):  # pieces of odd sizes: pack them as one
+        chunks = [torch.cat(tensors)]
+    if len(chunks) == 1:
+        return [PackedPlane(p.codes, p.scale, p.zero) for p in to_planes(decode(chunks[0], kind))]
+    total = sum(c.shape[0] for c in chunks)
+    planes, row = None, 0
+    for c in chunks:
+        part = [PackedPlane(p.codes, p.scale, p.zero) for p in to_planes(decode(c, kind))]
+        if planes is None:
+            planes = [PackedPlane.empty_like(p, total) for p in part]
+        for whole, piece in zip(planes, part):
+            whole.write_rows(row, piece)
+        row += c.shape[0]
+        del part
+    return planes
+
+
+def release_file_pages(tensor: torch.Tensor) -> None:
+    """Drop the mapped file's pages under ``tensor`` from this process's memory once decoded (the core
+    loader's helper; nothing when the tensor is not a view of the file)."""
+    try:
+        from pagoda.loader.gguf_format import release_pages
+    except ImportError:
+        return
+    release_pages(tensor)
 
 
 def _gguf_kind(what: str, loaded: torch.Tensor) -> str | None:
