@@ -105,3 +105,14 @@ def test_serve_prints_the_cpu_choices(tiny):
     llm = LLM(model=str(tiny), device="cpu", num_kv_blocks=8, block_size=16, max_model_len=128)
     line = cpu_choices(llm.engine)
     assert line.startswith("pagoda: cpu: ") and "threads (OMP_NUM_THREADS)" in line and "step budget" in line
+
+
+def test_generate_use_tqdm_shows_a_progress_bar(tiny, capsys):
+    llm = LLM(model=str(tiny), device="cpu", num_kv_blocks=16, block_size=16, max_model_len=128)
+    outs = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                        use_tqdm=True)
+    assert len(outs) == 2
+    err = capsys.readouterr().err
+    assert "Processed prompts" in err and "2/2" in err and "est. speed input:" in err
+    llm.generate([[5, 6]], SamplingParams(max_tokens=2))  # off by default
+    assert "Processed prompts" not in capsys.readouterr().err
