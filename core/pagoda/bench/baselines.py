@@ -55,7 +55,8 @@ def run_llama_cpp(model_path: str | Path, prompts: list[list[int]], output_len: 
             break
     elapsed = time.perf_counter() - t1
     generated = sum(len(t) for t in token_times)
-    llm.close() if hasattr(llm, "close") else None
+    if hasattr(llm, "close"):  # llama-cpp-python >= 0.3 frees the model's memory here
+        llm.close()
     return {"engine": "llama.cpp", "threads": threads, "load_seconds": load_s, "elapsed_seconds": elapsed,
             "output_tokens": generated, "output_tok_s": generated / elapsed, "requests": len(token_times),
             "capped": len(token_times) < len(prompts), "max_seconds": max_seconds, "token_times": token_times}
