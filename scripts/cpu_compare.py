@@ -88,12 +88,16 @@ def decode(args) -> dict:
     engines = {"pagoda": pagoda, "llama.cpp": llama, "transformers": transformers}
     for f in engines.values():
         f(short, 4)
-    rows = {k: {"decode_tok_s": [], "ttft_256_ms": []} for k in engines}
+    rows = {k: {"decode_tok_s": [], "ttft_256_ms": [], "cpu_s_per_run": [], "ttft_256_cpu_ms": []} for k in engines}
     for _ in range(args.reps):
         for name, f in engines.items():
+            c0 = time.process_time()  # CPU time: steadier than wall time on a shared machine
             t = f(short, args.tokens)
+            rows[name]["cpu_s_per_run"].append(time.process_time() - c0)
             rows[name]["decode_tok_s"].append((len(t) - 1) / (t[-1] - t[0]))
+            c0 = time.process_time()
             rows[name]["ttft_256_ms"].append(1000 * f(long, 1)[0])
+            rows[name]["ttft_256_cpu_ms"].append(1000 * (time.process_time() - c0))
     return summarize(rows, "pagoda", f"decode, {args.threads} thread(s)")
 
 
@@ -111,15 +115,17 @@ def long_prompt(args) -> dict:
     llm = LLM(model=path, device="cpu", max_model_len=args.tokens + 16)
     hf = AutoModelForCausalLM.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name, dtype=torch.float32,
                                               attn_implementation="sdpa")
-    rows = {"pagoda": {"prefill_s": []}, "transformers": {"prefill_s": []}}
+    rows = {"pagoda": {"prefill_s": [], "cpu_s": []}, "transformers": {"prefill_s": [], "cpu_s": []}}
     for _ in range(args.reps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         llm.generate([ids], SamplingParams(temperature=0, max_tokens=1))
         rows["pagoda"]["prefill_s"].append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
+        rows["pagoda"]["cpu_s"].append(time.process_time() - c0)
+        t0, c0 = time.perf_counter(), time.process_time()
         with torch.inference_mode():
             hf(torch.tensor([ids]), logits_to_keep=1)
         rows["transformers"]["prefill_s"].append(time.perf_counter() - t0)
+        rows["transformers"]["cpu_s"].append(time.process_time() - c0)
     return summarize(rows, "pagoda", f"{args.tokens}-token prompt, {args.threads} thread(s)")
 
 
@@ -139,25 +145,30 @@ def concurrent(args) -> dict:
     hf = AutoModelForCausalLM.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name, dtype=torch.float32)
     ll = Llama(model_path=path, n_threads=args.threads, n_threads_batch=args.threads,
                n_ctx=args.input_len + args.output_len + 8, verbose=False)
-    rows = {"pagoda": {"output_tok_s": []}, "transformers": {"output_tok_s": []}, "llama.cpp": {"output_tok_s": []}}
+    rows = {k: {"output_tok_s": [], "output_tok_per_cpu_s": []} for k in ("pagoda", "transformers", "llama.cpp")}
     total = args.prompts * args.output_len
+
+    def record(name, t0, c0):
+        rows[name]["output_tok_s"].append(total / (time.perf_counter() - t0))
+        rows[name]["output_tok_per_cpu_s"].append(total / (time.process_time() - c0))
+
     for _ in range(args.reps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True))
-        rows["pagoda"]["output_tok_s"].append(total / (time.perf_counter() - t0))
-        t0 = time.perf_counter()
+        record("pagoda", t0, c0)
+        t0, c0 = time.perf_counter(), time.process_time()
         with torch.inference_mode():
             mask = torch.ones(len(prompts), args.input_len, dtype=torch.long)
             hf.generate(torch.tensor(prompts), attention_mask=mask, max_new_tokens=args.output_len,
                         min_new_tokens=args.output_len, do_sample=False, pad_token_id=0)
-        rows["transformers"]["output_tok_s"].append(total / (time.perf_counter() - t0))
-        t0 = time.perf_counter()
+        record("transformers", t0, c0)
+        t0, c0 = time.perf_counter(), time.process_time()
         for p in prompts:  # llama-cpp-python's API: one sequence at a time
             ll.reset()
             for i, _ in enumerate(ll.generate(p, temp=0.0, top_k=1, reset=True)):
                 if i + 1 >= args.output_len:
                     break
-        rows["llama.cpp"]["output_tok_s"].append(total / (time.perf_counter() - t0))
+        record("llama.cpp", t0, c0)
     return summarize(rows, "pagoda", f"{args.prompts} prompts x {args.input_len} in x {args.output_len} out, "
                      f"{args.threads} thread(s)")
 
@@ -184,7 +195,7 @@ def memory(args) -> dict:
 
 def startup(args) -> dict:
     path = model_path(args)
-    rows = {"pagoda generate": {"seconds": []}, "import torch": {"seconds": []}, "llama.cpp": {"seconds": []}}
+    rows = {k: {"seconds": [], "cpu_seconds": []} for k in ("pagoda generate", "import torch", "llama.cpp")}
     commands = {
         "pagoda generate": [sys.executable, "-m", "pagoda.cli.main", "generate", "--model", path, "--prompt",
                             "The capital of France is", "--max-tokens", "1"],
@@ -194,9 +205,12 @@ def startup(args) -> dict:
     }
     for _ in range(args.reps):
         for name, cmd in commands.items():
-            t0 = time.perf_counter()
+            t0, before = time.perf_counter(), os.times()
             subprocess.run(cmd, capture_output=True, check=True)
+            after = os.times()
             rows[name]["seconds"].append(time.perf_counter() - t0)
+            rows[name]["cpu_seconds"].append(after.children_user + after.children_system - before.children_user
+                                             - before.children_system)
     return summarize(rows, "pagoda generate", "start to first token (separate processes)")
 
 
