@@ -140,6 +140,12 @@ def test_serve_keeps_the_8192_token_step_unless_told(monkeypatch):
         return cfg
 
     monkeypatch.setattr(serve, "engine_config_from_args", capture)
+    for flags, expected in (([], None), (["--max-num-batched-tokens", "2048"], 2048)):
+        # on the CPU the budget stays unset: the CPU platform bounds a decoding stream's stall itself
+        with pytest.raises(SystemExit):
+            pagoda_main(["serve", "--device", "cpu", *flags])
+        assert seen[-1].max_num_batched_tokens == expected
+    monkeypatch.setattr(serve, "_on_cpu", lambda config: False)  # a GPU platform
     for flags, expected in (([], 8192), (["--max-num-batched-tokens", "2048"], 2048)):
         with pytest.raises(SystemExit):
             pagoda_main(["serve", *flags])

@@ -20,13 +20,20 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(device="cpu", dtype="float32", max_model_len=512)
+    """The float reference path: every GGUF block widened to float32 at load."""
+    return LLM(device="cpu", dtype="float32", max_model_len=512, quantization="none")
 
 
-def test_default_model_knows_the_capital_of_france(llm):
-    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))[0]
+@pytest.fixture(scope="module")
+def packed():
+    """The default: the file's Q4_1/Q8_0 blocks kept as packed int4 planes (quantization gguf, automatic)."""
+    return LLM(device="cpu", max_model_len=512)
+
+
+def test_default_model_knows_the_capital_of_france(packed):
+    out = packed.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))[0]
     assert "Paris" in out.outputs[0].text
-    assert llm.engine.model_name == "SmolLM2-135M-Instruct"
+    assert packed.engine.model_name == "SmolLM2-135M-Instruct"
 
 
 def test_gguf_logits_and_greedy_tokens_match_transformers(llm):
@@ -62,25 +69,29 @@ def test_fast_gguf_reader_equals_the_gguf_package():
         assert ours.data.dtype == theirs.data.dtype and np.array_equal(ours.data, theirs.data)
 
 
-def test_quantization_gguf_computes_the_q4_1_weights_as_int4(llm):
-    """quantization: gguf keeps the file's Q4_1 linear weights as INT4 (group 32, the file's scales and minimums)
-    instead of dequantizing them: the same logits up to float32 rounding, the same greedy text; the Q8_0 embedding
-    (tied LM head) and the norms are dequantized as before."""
-    quantized = LLM(device="cpu", dtype="float32", max_model_len=512, quantization="gguf")
-    model = quantized.engine.runner.model
+def test_default_keeps_the_files_blocks_and_the_float_paths_greedy_text(packed, llm):
+    """On the CPU a .gguf model keeps its blocks: the Q4_1 layers and the tied Q8_0 LM head as int4 planes
+    for torch's CPU int4 kernel, the embedding as the file's rows (decoded per lookup); greedy text and
+    logits stay those of the float reference up to the kernel's bfloat16 activations."""
+    model = packed.engine.runner.model
+    assert model.quant_config.name == "gguf"
     qkv = model.model.layers[0].self_attn.qkv_proj
-    assert qkv.qweight.dtype == torch.int32 and qkv.qweight.shape == (576 // 8, 576 + 2 * 192)
-    assert qkv.scales.shape == (576 // 32, 960) and not hasattr(qkv, "weight")
-    assert model.model.embed_tokens.weight.dtype == torch.float32
-    ids = llm.engine.tokenize("The capital of France is")
-    torch.testing.assert_close(quantized.prompt_logits(ids), llm.prompt_logits(ids), atol=2e-4, rtol=1e-5)
-    greedy = SamplingParams(temperature=0, max_tokens=8)
-    assert quantized.generate("The capital of France is", greedy)[0].outputs[0].text == \
-        llm.generate("The capital of France is", greedy)[0].outputs[0].text
+    assert not hasattr(qkv, "weight") and [len(s.planes) for s in qkv.gguf_segments] == [1]
+    assert [len(s.planes) for s in model.lm_head.gguf_segments] == [2]  # Q8_0: two 4-bit digits
+    rows, kind = model.model.embed_tokens.gguf_rows
+    assert kind == "Q8_0" and rows.dtype == torch.uint8
+    linear_bytes = sum(m.quant_method.weight_bytes(m) for m in model.modules() if hasattr(m, "gguf_segments"))
+    assert linear_bytes < 0.3 * 4 * 134e6  # under a third of the float32 weights
+    ids = packed.engine.tokenize("The capital of France is")
+    a, b = packed.prompt_logits(ids), llm.prompt_logits(ids)
+    assert float((a - b).abs().max()) < 0.05 * float(b.abs().max())
+    greedy = SamplingParams(temperature=0, max_tokens=16)
+    for prompt in ("The capital of France is", "Gravity is the force that"):
+        assert packed.generate(prompt, greedy)[0].outputs[0].text == llm.generate(prompt, greedy)[0].outputs[0].text
 
 
-def test_chat_template_from_gguf_metadata(llm):
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+def test_chat_template_from_gguf_metadata(packed):
+    out = packed.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=24))[0]
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason in ("stop", "length")
@@ -105,3 +116,32 @@ def test_main_command_of_the_readme():
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
+
+
+def test_gguf_config_and_tokenizer_load_without_transformers():
+    """Start-up: the GGUF file's config and tokenizer come without importing transformers (its import was
+    most of LLM()'s time and ~200 MB); the tokenizer answers as transformers' would."""
+    code = ("import sys; from pagoda.loader.source import resolve_source; from pagoda.loader.gguf_file import "
+            "open_gguf; g = open_gguf(resolve_source(None).path); c = g.hf_config(); t = g.tokenizer(); "
+            "assert c.num_hidden_layers == 30 and c.tie_word_embeddings and t.eos_token_id == 2; "
+            "assert not [m for m in sys.modules if m.startswith('transformers')], 'transformers was imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_gguf_tokenizer_matches_transformers(packed):
+    tok = packed.tokenizer
+    hf = tok.hf  # the transformers tokenizer of the same vocabulary
+    for text in ("The capital of France is", "naïve café — 東京 🚀 ok", "<|im_start|>user\nhi<|im_end|>\n",
+                 "  spaces   and\ttabs\n\n", "x" * 40 + " 12345 "):
+        ids = tok.encode(text)
+        assert ids == hf.encode(text)
+        for skip in (False, True):
+            assert tok.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+    messages = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
+                {"role": "user", "content": "thanks"}]
+    for add in (True, False):
+        assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add) == \
+            hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
+    assert (tok.eos_token_id, tok.bos_token_id) == (hf.eos_token_id, hf.bos_token_id)
+    assert tok.convert_ids_to_tokens([1, 2]) == hf.convert_ids_to_tokens([1, 2])

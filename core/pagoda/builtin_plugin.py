@@ -31,11 +31,13 @@ def register_platforms(register):
 
 @hookimpl
 def register_attention_backends(register):
+    from pagoda.attention.cpu_sdpa import CpuSdpaAttention
     from pagoda.attention.torch_mla import TorchMLAAttention
     from pagoda.attention.torch_mla_sparse import TorchSparseMLAAttention
     from pagoda.attention.torch_paged import TorchPagedAttention
 
     register(TorchPagedAttention())
+    register(CpuSdpaAttention())
     register(TorchMLAAttention())
     register(TorchSparseMLAAttention())
 

@@ -49,8 +49,9 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(256, gt=0, description="most sequences running in one step")
     max_num_batched_tokens: int | None = Field(None, gt=0, description="token budget of one step (chunked "
                                                "prefill splits longer prompts); default: the platform's "
-                                               "(16384 on a CUDA device of at least 70 GiB, else 8192); "
-                                               "pagoda serve defaults to 8192")
+                                               "(16384 on a CUDA device of at least 70 GiB, else 8192; on a CPU, "
+                                               "while sequences decode, what keeps a step near a second, "
+                                               "docs/cpu.md); pagoda serve defaults to 8192 off the CPU")
     memory_utilization: float = Field(0.9, gt=0, le=1.0, description="fraction of device memory pagoda "
                                       "may use for weights, activations and KV cache (alias: "
                                       "gpu_memory_utilization)")

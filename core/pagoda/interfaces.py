@@ -70,6 +70,11 @@ class Platform:
         """The step token budget when the config leaves ``max_num_batched_tokens`` unset."""
         return 8192
 
+    def step_token_budget(self, flops_per_token: float) -> int | None:
+        """A smaller budget for steps while sequences decode, that bounds their stall given the model's
+        FLOPs per token (``pagoda.engine.step_budget``); None: no bound (the default budget)."""
+        return None
+
     def graph_pool(self) -> Any:
         """A new memory pool for the graphs one engine captures (None: the platform's default)."""
         return None

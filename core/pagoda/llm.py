@@ -44,8 +44,8 @@ class LLM:
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Outputs in the order of ``prompts`` (text, or token-id lists)."""
-        del use_tqdm
+        """Outputs in the order of ``prompts`` (text, or token-id lists). ``use_tqdm``: a progress bar
+        of finished prompts with the input and output token rates, as vLLM's (tqdm, on stderr)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params or SamplingParams()
@@ -60,20 +60,21 @@ class LLM:
         except Exception:
             self.engine.abort_request(ids)
             raise
-        return self._run(ids)
+        return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
         from pagoda.tokenizer import apply_chat_template
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [apply_chat_template(self.tokenizer, conv, add_generation_prompt) for conv in conversations]
         token_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        return self.generate(token_ids, sampling_params)
+        return self.generate(token_ids, sampling_params, use_tqdm=use_tqdm)
 
-    def _run(self, ids: list[str]) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool = False) -> list[RequestOutput]:
         wanted = set(ids)
         done: dict[str, RequestOutput] = {}
+        bar = _ProgressBar(len(ids)) if use_tqdm else None
         # Objects older than this batch (the model, the engine, imports) stay out of the cyclic
         # collector while it runs: its full passes over them would stall steps by 10-100 ms.
         gc.freeze()
@@ -84,8 +85,12 @@ class LLM:
                 for out in self.engine.step(finished_only=True):
                     if out.finished and out.request_id in wanted:
                         done[out.request_id] = out
+                        if bar is not None:
+                            bar.finished(out)
         finally:
             gc.unfreeze()
+            if bar is not None:
+                bar.close()
         return [done[i] for i in ids]
 
     def prompt_logits(self, prompt_token_ids: Seq[int]) -> torch.Tensor:
@@ -108,3 +113,25 @@ class LLM:
     def shutdown(self) -> None:
         """Stop the worker processes of a tensor-parallel engine (no-op on one device)."""
         self.engine.shutdown()
+
+
+class _ProgressBar:
+    """tqdm over finished prompts, with the estimated input and output token rates in its postfix."""
+
+    def __init__(self, total: int):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True,
+                        postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+        self.inputs = self.outputs = 0
+
+    def finished(self, out: RequestOutput) -> None:
+        self.inputs += len(out.prompt_token_ids or [])
+        self.outputs += sum(len(c.token_ids) for c in out.outputs)
+        elapsed = self.bar.format_dict["elapsed"] or 1e-9
+        self.bar.set_postfix_str(f"est. speed input: {self.inputs / elapsed:.2f} toks/s, "
+                                 f"output: {self.outputs / elapsed:.2f} toks/s", refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()

@@ -51,10 +51,13 @@ PENDING_TOKEN = -1
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int):
+                 max_model_len: int, idle_step_tokens: int | None = None):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # the budget of a step in which no sequence decodes (nobody waits for a token), when the
+        # budget above is a stall bound for decoding streams (pagoda.engine.step_budget)
+        self.idle_step_tokens = idle_step_tokens
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -90,7 +93,6 @@ class Scheduler:
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
         decodes: list[ScheduledSeq] = []
         prefills: list[ScheduledSeq] = []
         scheduled_ids: set[int] = set()
@@ -105,7 +107,12 @@ class Scheduler:
                 ordered.append(s)
             elif left > 1:
                 partial.append(s)
+        decoding = bool(ordered)
         ordered += partial
+        budget = self.max_num_batched_tokens
+        if self.idle_step_tokens and not decoding:
+            budget = self.idle_step_tokens
+        start_budget = budget
         running_status = SequenceStatus.RUNNING
         block_size = self.bm.block_size
         for seq in ordered:
@@ -163,7 +170,7 @@ class Scheduler:
 
         out.scheduled = decodes + prefills
         out.num_decodes = len(decodes)
-        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        out.num_batched_tokens = start_budget - budget
         self.stats.num_steps += 1
         self.stats.num_prefill_tokens += sum(_prefill_tokens(item) for item in out.scheduled)
         return out

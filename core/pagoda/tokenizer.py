@@ -31,8 +31,6 @@ def tokenizer_location(tokenizer: str | None, source: ModelSource, revision: str
 
 
 def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None):
-    from transformers import AutoTokenizer
-
     if tokenizer_path is not None:
         path = tokenizer_path
     elif source.kind == "gguf":
@@ -44,6 +42,8 @@ def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None):
         if not any((source.path / f).is_file() for f in TOKENIZER_FILES):
             logger.warning("%s has no tokenizer files: prompts must be token ids", path)
             return None
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as exc:

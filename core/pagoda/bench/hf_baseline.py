@@ -14,14 +14,10 @@ import torch
 
 def run_hf_baseline(hf_config, model_dir: str | None, prompts: list[list[int]], output_len: int,
                     device: torch.device, dtype: torch.dtype, max_seconds: float) -> dict:
-    from transformers import AutoModelForCausalLM
+    from pagoda.bench.baselines import load_hf_model
 
     t0 = time.perf_counter()
-    if model_dir is not None:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
-    else:
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    model = load_hf_model(model_dir, hf_config, dtype, device)  # a directory, a .gguf file, or random weights
     model.eval()
     load_s = time.perf_counter() - t0
     ids = torch.tensor(prompts, device=device)

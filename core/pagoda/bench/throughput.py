@@ -42,7 +42,9 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", metavar="FILE", help="write the result as JSON")
     p.add_argument("--profile", action="store_true", help="profile decode steps (host phases, kernels)")
-    p.add_argument("--baseline", choices=["hf"], help="also run HF transformers generate on the same workload")
+    p.add_argument("--baseline", choices=["hf", "llama.cpp"], help="also run HF transformers generate (all prompts "
+                   "in one batch) or llama.cpp (llama-cpp-python, .gguf models; one prompt after another) on the "
+                   "same workload, in this process")
     p.add_argument("--baseline-max-seconds", type=float, default=120.0,
                    help="stop the baseline's generate after this long (default 120)")
     p.add_argument("--bandwidth-gbs", type=float, help="device bandwidth for the roofline, GB/s (default: "
@@ -213,11 +215,16 @@ def run(args) -> int:
         print("\n".join(format_result(result)), flush=True)
         _write(result, args.json_path)
         release_startup_objects()  # frozen objects are never collected: the engine may go from here
-        if args.baseline == "hf":
+        if args.baseline == "llama.cpp":
+            result["baseline"] = _llama_cpp_baseline(engine.source, args, vocab)
+            llm.shutdown()
+            print(format_baseline(result))
+            _write(result, args.json_path)
+        elif args.baseline == "hf":
             from pagoda.bench.hf_baseline import run_hf_baseline
 
             dtype = runner.dtype
-            model_dir = None if args.shape else config.model
+            model_dir = None if args.shape else str(engine.source.path)
             llm.shutdown()
             del llm, engine, runner
             gc.collect()  # the engine's KV cache and graphs go before the baseline allocates
@@ -236,6 +243,23 @@ def run(args) -> int:
     return 0
 
 
+def _llama_cpp_baseline(source, args, vocab: int) -> dict:
+    import torch
+
+    from pagoda.bench.baselines import latency_summary, run_llama_cpp
+
+    try:
+        if source.kind != "gguf":
+            raise ValueError("the llama.cpp baseline runs .gguf models only")
+        rec = run_llama_cpp(source.path, _prompts(args.num_prompts, args.input_len, vocab, args.prompt_seed),
+                            args.output_len, torch.get_num_threads(), args.baseline_max_seconds,
+                            n_ctx=args.input_len + args.output_len + 8)
+    except Exception as exc:  # the pagoda numbers stand; say why the baseline has none
+        return {"engine": "llama.cpp", "error": f"{type(exc).__name__}: {exc}"[:500]}
+    rec["latency_ms"] = latency_summary(rec.pop("token_times"))
+    return rec
+
+
 def _write(result: dict, path: str | None) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -245,11 +269,12 @@ def _write(result: dict, path: str | None) -> None:
 
 def format_baseline(res: dict) -> str:
     b = res["baseline"]
+    name = "llama.cpp" if b.get("engine") == "llama.cpp" else "HF transformers"
     if "error" in b:
-        return f"  HF transformers  failed: {b['error'].splitlines()[0][:200]}"
+        return f"  {name:<16} failed: {b['error'].splitlines()[0][:200]}"
     capped = f" (stopped at {b['max_seconds']:.0f} s)" if b["capped"] else ""
-    return (f"  HF transformers  {b['output_tok_s']:,.0f} output tok/s{capped}; pagoda is "
-            f"{res['best']['output_tok_s'] / b['output_tok_s']:.1f}x")
+    return (f"  {name:<16} {b['output_tok_s']:,.1f} output tok/s{capped}; pagoda is "
+            f"{res['best']['output_tok_s'] / b['output_tok_s']:.2f}x")
 
 
 def _kv_cache_note(res: dict) -> str:

@@ -1,15 +1,15 @@
-"""``pagoda bench <kind>``: throughput (offline engine) and serve (a running server)."""
+"""``pagoda bench <kind>``: throughput and latency (offline engine), serve (a running server)."""
 
 from __future__ import annotations
 
 import importlib
 
 # modules with add_parser(subparsers) for one benchmark each
-BENCH_MODULES = ["pagoda.bench.throughput", "pagoda.bench.serve"]
+BENCH_MODULES = ["pagoda.bench.throughput", "pagoda.bench.latency", "pagoda.bench.serve"]
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: throughput, serve")
+    p = sub.add_parser("bench", help="benchmarks: throughput, latency, serve")
     bench_sub = p.add_subparsers(dest="bench", metavar="KIND")
     for name in BENCH_MODULES:
         try:

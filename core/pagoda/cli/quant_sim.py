@@ -187,7 +187,8 @@ def simulate(config, method: Any, args) -> dict:
         per_seq = -(-max_len // config.block_size)
         sized = {"num_kv_blocks": per_seq * args.num_prompts + 4, "max_model_len": max_len}
         config, q_config = config.model_copy(update=sized), q_config.model_copy(update=sized)
-    fp_config = config.model_copy(update={"quantization": None, "kv_cache_dtype": "auto"})
+    # "none", not unset: a .gguf model on the CPU would otherwise keep its blocks (docs/cpu.md)
+    fp_config = config.model_copy(update={"quantization": "none", "kv_cache_dtype": "auto"})
     fp = LLM(config=fp_config)
     prompts = _prompts(args, fp.tokenizer, int(hf_config.vocab_size))
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)

@@ -68,7 +68,8 @@ def serve_engine_config(args: argparse.Namespace):
     if tag is not None:
         args.model = tag
     config = engine_config_from_args(args)
-    if config.max_num_batched_tokens is None:  # a server keeps decode steps short while prompts arrive
+    if config.max_num_batched_tokens is None and not _on_cpu(config):
+        # a server keeps decode steps short while prompts arrive (the CPU platform bounds them itself)
         config.max_num_batched_tokens = SERVE_STEP_TOKENS
     return config
 
@@ -78,6 +79,23 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
               if name not in SHARED_WITH_ENGINE}
     return load_server_config(getattr(args, "config_file", None), **values)
 
+
+
+def _on_cpu(engine_config) -> bool:
+    from pagoda.selection import select_platform
+
+    device, _ = engine_config.resolved_device_and_dtype()
+    return select_platform(device).name == "cpu"
+
+
+def cpu_choices(engine) -> str:
+    """What the engine chose on the CPU: threads, step budget, weights (docs/cpu.md)."""
+    platform, budget = engine.platform, engine.step_budget
+    quant = getattr(engine.runner.model, "quant_config", None) if hasattr(engine.runner, "model") else None
+    idle = f" ({budget.idle_tokens} when none decodes)" if budget.idle_tokens else ""
+    return (f"pagoda: cpu: {platform.threads} threads ({platform.threads_reason}); step budget {budget.tokens} "
+            f"tokens while sequences decode{idle}: {budget.reason}; weights: "
+            f"{quant.describe() if quant is not None and hasattr(quant, 'describe') else 'the model dtype'}")
 
 
 def run(args) -> int:
@@ -104,6 +122,8 @@ def run(args) -> int:
     engine = app.state.async_engine.engine
 
     def announce(url: str) -> None:
+        if engine.platform.name == "cpu":
+            print(cpu_choices(engine), file=sys.stderr, flush=True)
         print(f"pagoda: serving {fe.model_name} ({engine.platform.name}/{engine.dtype}, max_model_len "
               f"{fe.max_model_len}) on {url}{' (API keys required)' if server_config.api_keys else ''}",
               file=sys.stderr, flush=True)

@@ -17,6 +17,7 @@ from pagoda.engine.lookahead import DecodeLookahead
 from pagoda.engine.model_runner import ModelRunner
 from pagoda.engine.pipeline import StepPipeline
 from pagoda.engine.request_controls import RequestControls
+from pagoda.engine.step_budget import choose_step_budget
 from pagoda.errors import ConfigError, RequestError
 from pagoda.layers.rotary import rope_parameters_of, uses_sequence_length
 from pagoda.loader.model_loader import load_config
@@ -64,7 +65,8 @@ class LLMEngine:
         # one device: a ModelRunner; tensor_parallel_size > 1 or torchrun: rank 0's executor
         self.runner = create_executor(config, self.source, self.hf_config, self.platform, dtype)
         num_blocks = self.runner.allocate_kv_cache()
-        step_tokens = config.max_num_batched_tokens or self.platform.default_max_num_batched_tokens()
+        self.step_budget = choose_step_budget(config, self.platform, self.runner.model)
+        step_tokens = max(self.step_budget.tokens, self.step_budget.idle_tokens or 0)  # the largest chunk
         windows = self.runner.kv_layout.windows
         one_sequence = blocks_for_one_sequence(windows, self.max_model_len, config.block_size, step_tokens)
         if num_blocks < one_sequence:
@@ -81,7 +83,8 @@ class LLMEngine:
                            "shared between sequences; lower max_model_len to the switch length to keep it")
             prefix_caching = False
         self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching, windows)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, step_tokens, self.max_model_len)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.step_budget.tokens, self.max_model_len,
+                                   idle_step_tokens=self.step_budget.idle_tokens)
         self.runner.capture_graphs(config.max_num_seqs, self.max_model_len)
         # offline steps launched ahead of the host work: every step on one CUDA device
         # (pagoda.engine.pipeline), decode steps of a tensor-parallel engine (pagoda.engine.lookahead)

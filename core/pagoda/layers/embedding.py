@@ -16,6 +16,11 @@ from pagoda.layers.linear import check_shape
 
 
 class VocabParallelEmbedding(nn.Module):
+    # A quantization method may hold the weight in its own form (one rank only): it then provides
+    # ``embed(module, input_ids)`` and, for an LM head, ``apply(module, hidden, bias)``
+    # (pagoda-quant's GGUF method on the CPU keeps the file's blocks).
+    quant_method = None
+
     def __init__(self, num_embeddings: int, embedding_dim: int, prefix: str = "",
                  params_dtype: torch.dtype | None = None):
         super().__init__()
@@ -39,6 +44,8 @@ class VocabParallelEmbedding(nn.Module):
         param.data[rows.shape[0]:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.embed(self, input_ids)
         if self.tp_size == 1:
             return nn.functional.embedding(input_ids, self.weight)
         mask = (input_ids >= self.start) & (input_ids < self.end)
@@ -68,7 +75,10 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, vocab] (gathered over the ranks)."""
-        logits = nn.functional.linear(hidden, self.weight, self.bias)
+        if self.quant_method is not None:
+            logits = self.quant_method.apply(self, hidden, self.bias)
+        else:
+            logits = nn.functional.linear(hidden, self.weight, self.bias)
         if self.tp_size > 1:
             logits = tensor_parallel_all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings]

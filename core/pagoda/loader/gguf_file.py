@@ -4,6 +4,7 @@ weights dequantized at load under their HF names (Llama-family architectures).""
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Iterator
 from functools import cached_property
 from pathlib import Path
@@ -27,7 +28,18 @@ LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+PLAIN_FLOAT_TYPES = ("F32", "F16")
 TOKEN_TYPE_CONTROL = 3
+
+
+def _as_tensor(data: np.ndarray) -> torch.Tensor:
+    """A tensor over ``data`` without copying it when it is a view of the mapped file (read-only: the
+    loaders only read it; a parameter copies it)."""
+    if not data.flags.writeable:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "the given NumPy array is not writable"
+            return torch.from_numpy(data)
+    return torch.from_numpy(data)
 
 
 @functools.lru_cache(maxsize=2)
@@ -61,12 +73,17 @@ class GGUFCheckpoint:
         return {t.name for t in self.tensors}
 
     def hf_config(self):
-        from transformers import AutoConfig
+        """The model config from the metadata (``gguf_config.ModelConfig``: no transformers import)."""
+        from pagoda.loader.gguf_config import ModelConfig, rope_parameters
 
         model_type, architecture = ARCHITECTURES[self.arch]
         heads = self.arch_field("attention.head_count")
         hidden = self.arch_field("embedding_length")
         tokens = self.fields.get("tokenizer.ggml.tokens", [])
+        head_dim = self.arch_field("attention.key_length", hidden // heads)
+        rotary = self.arch_field("rope.dimension_count", head_dim)
+        scaling = {key: self.arch_field(f"rope.scaling.{key}") for key in ("type", "factor",
+                                                                            "original_context_length")}
         values = dict(
             architectures=[architecture],
             vocab_size=self.arch_field("vocab_size", len(tokens)),
@@ -75,21 +92,25 @@ class GGUFCheckpoint:
             num_hidden_layers=self.arch_field("block_count"),
             num_attention_heads=heads,
             num_key_value_heads=self.arch_field("attention.head_count_kv", heads),
-            head_dim=self.arch_field("attention.key_length", hidden // heads),
+            head_dim=head_dim,
             max_position_embeddings=self.arch_field("context_length", 2048),
             rms_norm_eps=self.arch_field("attention.layer_norm_rms_epsilon", 1e-6),
             rope_theta=self.arch_field("rope.freq_base", 10000.0),
+            rope_parameters=rope_parameters(self.arch_field("rope.freq_base", 10000.0), scaling),
+            partial_rotary_factor=rotary / head_dim if rotary != head_dim else None,
             tie_word_embeddings="output.weight" not in self.tensor_names,
             bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
             eos_token_id=self.field("tokenizer.ggml.eos_token_id"),
             attention_bias=self.arch == "qwen2",
+            sliding_window=self.arch_field("attention.sliding_window"),
         )
-        return AutoConfig.for_model(model_type, **{k: v for k, v in values.items() if v is not None})
+        return ModelConfig(model_type, **values)
 
     def tokenizer(self):
-        """A fast tokenizer built from the GGUF vocabulary (byte-level BPE, 'gpt2' type)."""
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-        from transformers import PreTrainedTokenizerFast
+        """The tokenizer from the GGUF vocabulary (byte-level BPE, 'gpt2' type), on the ``tokenizers``
+        library alone (``gguf_tokenizer.GGUFTokenizer``; its ``hf`` is the transformers one)."""
+        from pagoda.loader.gguf_tokenizer import GGUFTokenizer
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
         kind = self.field("tokenizer.ggml.model")
         if kind != "gpt2":
@@ -102,15 +123,27 @@ class GGUFCheckpoint:
         tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tok.decoder = decoders.ByteLevel()
-        specials = [tokens[i] for i, t in enumerate(types) if t == TOKEN_TYPE_CONTROL]
-
-        def token(key: str):
+        special: dict[str, int | None] = {}
+        for key in ("bos", "eos", "unknown", "padding"):
             idx = self.field(f"tokenizer.ggml.{key}_token_id")
-            return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
+            special[{"unknown": "unk", "padding": "pad"}.get(key, key)] = \
+                idx if idx is not None and 0 <= idx < len(tokens) else None
+        control = [tokens[i] for i, t in enumerate(types) if t == TOKEN_TYPE_CONTROL]
+        named = [tokens[i] for i in special.values() if i is not None]
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t in dict.fromkeys(named + control)])
+        return GGUFTokenizer(tok, tokens, special, self.field("tokenizer.chat_template"),
+                             lambda: self._hf_tokenizer(tok, tokens, special, control))
+
+    def _hf_tokenizer(self, tok, tokens, special, control):
+        from transformers import PreTrainedTokenizerFast
+
+        def name(key):
+            return tokens[special[key]] if special.get(key) is not None else None
 
         hf = PreTrainedTokenizerFast(
-            tokenizer_object=tok, bos_token=token("bos"), eos_token=token("eos"), unk_token=token("unknown"),
-            pad_token=token("padding"), additional_special_tokens=specials, clean_up_tokenization_spaces=False,
+            tokenizer_object=tok, bos_token=name("bos"), eos_token=name("eos"), unk_token=name("unk"),
+            pad_token=name("pad"), additional_special_tokens=control, clean_up_tokenization_spaces=False,
         )
         template = self.field("tokenizer.chat_template")
         if template:
@@ -149,11 +182,19 @@ class GGUFCheckpoint:
                 name = f"{GLOBAL_TENSORS[stem]}.{kind}"
             else:
                 continue  # e.g. rope_freqs: derived from the config instead
-            if keeps_raw is not None and keeps_raw(name, t.tensor_type.name):
+            raw = keeps_raw is not None and keeps_raw(name, t.tensor_type.name)
+            if raw:
                 data = t.data  # uint8 [rows, bytes]: rows are output channels, as after dequantization
+            elif t.tensor_type.name in PLAIN_FLOAT_TYPES:
+                data = t.data
             else:
                 data = self._dequantized(t)
             if self.arch == "llama" and stem.startswith("blk.") and base in ("attn_q", "attn_k"):
                 data = self._reverse_permute(data, heads if base == "attn_q" else kv_heads)
             sources[name] = self.path.name
-            yield name, torch.from_numpy(np.array(data, copy=True))
+            tensor = _as_tensor(data)
+            if data is t.data and not data.flags.writeable:
+                tensor._gguf_mapped = True  # a view of the mapped file (release_pages may drop its pages)
+            # the file's type (blocks when uint8, else already float), read by the gguf quantization method
+            tensor.ggml_type = t.tensor_type.name
+            yield name, tensor

@@ -26,8 +26,11 @@ def load_config(source: ModelSource):
     return load_hf_config(source.path)
 
 
-def resolve_quant_config(hf_config, config: EngineConfig) -> QuantConfig | None:
-    """The checkpoint's ``quantization_config`` wins; else the user's ``quantization``."""
+def resolve_quant_config(hf_config, config: EngineConfig, source: ModelSource | None = None,
+                         device: torch.device | None = None) -> QuantConfig | None:
+    """The checkpoint's ``quantization_config`` wins; else the user's ``quantization``; else, for a
+    .gguf file on the CPU (one rank), the ``gguf`` method when a plugin provides it: the file's blocks
+    stay quantized (``quantization: none`` widens them to the model dtype instead)."""
     checkpoint = getattr(hf_config, "quantization_config", None)
     if checkpoint:
         if not isinstance(checkpoint, dict):
@@ -37,6 +40,12 @@ def resolve_quant_config(hf_config, config: EngineConfig) -> QuantConfig | None:
             raise ModelLoadError("config.json quantization_config has no 'quant_method'")
         return get_quantizer(method).from_checkpoint(checkpoint)
     setting = config.quantization
+    if setting is None and source is not None and source.kind == "gguf" and device is not None \
+            and device.type == "cpu" and config.tensor_parallel_size == 1:
+        from pagoda.plugins import get_registry
+
+        if "gguf" in get_registry().quantizers:
+            return get_quantizer("gguf").from_user({})
     if setting is None or setting in ("none", ""):
         return None
     if isinstance(setting, str):
@@ -95,9 +104,12 @@ def build_model(config: EngineConfig, source: ModelSource, hf_config: Any, dtype
                 device: torch.device) -> nn.Module:
     architectures = list(getattr(hf_config, "architectures", None) or [])
     cls = resolve_model_class(architectures, str(source.path), model_impl=config.model_impl, hf_config=hf_config)
-    quant_config = resolve_quant_config(hf_config, config)
+    quant_config = resolve_quant_config(hf_config, config, source, torch.device(device))
     with torch.device(device), default_dtype(dtype):
         model = cls(hf_config, quant_config=quant_config, prefix="")
+        prepare = getattr(quant_config, "prepare_model", None)
+        if prepare is not None:  # e.g. the GGUF method takes over the embedding and LM head
+            prepare(model)
     model.quant_config = quant_config  # the runner asks it for a declared KV cache dtype
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
@@ -109,10 +121,26 @@ def build_model(config: EngineConfig, source: ModelSource, hf_config: Any, dtype
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise ModelLoadError(f"{source.path}: the checkpoint lacks weights the model needs: {shown}")
+    on_cpu = torch.device(device).type == "cpu"
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(module)
+            if on_cpu:
+                _trim_heap()  # each layer's transient decoding memory goes before the next layer's
     model.eval()
     model.requires_grad_(False)
+    if on_cpu:
+        _trim_heap()
     return model
+
+
+def _trim_heap() -> None:
+    """Give the memory that loading freed (decoded and widened tensors) back to the system: glibc keeps
+    freed heap blocks in the process otherwise, and they count in its resident size."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -40,7 +40,8 @@ class StructuredOutputManager:
         if backend not in ("auto", *BACKENDS):
             raise ConfigError(f"structured_outputs_backend {backend!r} is not one of auto, {', '.join(BACKENDS)}")
         self.choice = backend
-        self.tokenizer = tokenizer
+        # the grammar libraries read transformers' tokenizer class (a GGUF model's light wrapper builds it)
+        self.tokenizer = getattr(tokenizer, "hf", tokenizer) if tokenizer is not None else None
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagoda-grammar")

@@ -47,7 +47,8 @@ class StructuredOutputsParams:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise RequestError(f"structured_outputs needs exactly one of {', '.join(KINDS)} (got "
-                               f"{', '.join(given) or 'none'})", field="structured_outputs")
+                               f"{', '.join(given) or 'none'})", field="structured_outputs",
+                               code="invalid_combination")
         kind = given[0]
         value: Any = getattr(self, kind)
         field = f"structured_outputs.{kind}"
@@ -56,9 +57,10 @@ class StructuredOutputsParams:
                 try:
                     value = jsonlib.loads(value)
                 except ValueError as exc:
-                    raise RequestError(f"{field} is not valid JSON: {exc}", field=field) from None
+                    raise RequestError(f"{field} is not valid JSON: {exc}", field=field,
+                                       code="invalid_grammar") from None
             if not isinstance(value, (dict, bool)):
-                raise RequestError(f"{field} must be a JSON schema (an object)", field=field)
+                raise RequestError(f"{field} must be a JSON schema (an object)", field=field, code="invalid_grammar")
             text = jsonlib.dumps(value, sort_keys=True, separators=(",", ":"))
         elif kind == "choice":
             if (not isinstance(value, (list, tuple)) or not value

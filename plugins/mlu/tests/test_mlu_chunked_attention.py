@@ -115,10 +115,10 @@ def test_sliding_window_mistral_greedy_matches_transformers(tmp_path):
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
-def test_cpu_auto_keeps_the_torch_reference(llama):
+def test_cpu_auto_keeps_the_core_cpu_backend(llama):
     path, _, _ = llama
     llm = LLM(model=str(path), device="cpu", dtype="float32", num_kv_blocks=16, block_size=8, max_model_len=64)
-    assert llm.engine.runner.backends["mha"].name == "torch"  # mlu_chunked auto-selects on the MLU only
+    assert llm.engine.runner.backends["mha"].name == "cpu_sdpa"  # mlu_chunked auto-selects on the MLU only
 
 
 # ---------------------------------------------------------------- MoE and MLA models

@@ -1,29 +1,32 @@
-"""``quantization: gguf``: a GGUF checkpoint's Q4_1 linear weights computed as INT4 instead of
-being dequantized at load.
+"""``quantization: gguf``: a GGUF file's quantized weights computed as they are stored, not widened at load.
 
-A Q4_1 block holds 32 weights of one row: a float16 scale d, a float16 minimum m and 16
-bytes of 4-bit codes (low nibbles: weights 0-15, high nibbles: 16-31), each weight d * q + m.
-That is pagoda's INT4 layout (``pagoda_quant.formats.int4``) with group size 32, scale d and
-zero point -m / d, a float zero point as the kernels take it, so the weights are the file's
-own, up to the rounding of -m / d to the activation dtype (exact in float32). The GGUF loader
-hands these layers their raw block rows (``gguf_keeps_raw``); other tensor types (Q8_0
-embeddings, norms in F32) are dequantized as without this setting, and so are the embedding
-and LM head.
+On the CPU (chosen automatically there for every .gguf model, see docs/cpu.md) every linear layer, the
+LM head and the embedding keep the file's blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K
+are decoded once into 4-bit digit planes (``formats.gguf_blocks``) and packed for torch's CPU int4
+kernel (``kernels.cpu_int4pack``); the embedding reads its rows from the file's blocks (the mapped
+file, no copy) and decodes only the rows a step looks up. Fused layers whose pieces have different
+types (a Q4_K_M file's q/k in Q4_K and v in Q6_K) keep one segment per type. Tensors of other types
+(Q2_K, Q3_K, IQ*) arrive dequantized and compute in float.
+
+On other devices the method computes Q4_1 linear weights as pagoda's INT4 layout (group 32, scale d,
+zero point -m/d, exact in float32) on the INT4 kernels; other types are dequantized at load.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from pagoda.errors import ModelLoadError
 
 from pagoda_quant.formats import int4 as i4
-from pagoda_quant.methods.base import PolicyConfig, add_param, layer_name, replace_param
+from pagoda_quant.formats.gguf_blocks import SUPPORTED, decode, to_planes
+from pagoda_quant.methods.base import PolicyConfig, QuantizedLinearMethod, add_param, layer_name, replace_param
 from pagoda_quant.methods.int4 import Int4KernelLayout
 
 BLOCK = 32  # weights per Q4_1 block
 BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of codes
-RAW_TYPES = ("Q4_1",)
 FULL_PRECISION = ("embed_tokens", "lm_head")
+EMBEDDINGS = ("embed_tokens", "lm_head")
 
 
 def decode_q4_1(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -77,20 +80,258 @@ class GgufQ4_1Method(Int4KernelLayout):
         self.install(layer, qweight, scales, zeros)
 
 
+# ---------------------------------------------------------------------------------------------- CPU
+class _Segment:
+    """Consecutive output rows of one layer in one representation: int4 planes, or a float weight."""
+
+    def __init__(self, rows: int, planes=None, weight: torch.Tensor | None = None):
+        self.rows, self.planes, self.weight = rows, planes, weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from pagoda_quant.kernels.cpu_int4pack import planes_linear
+
+        return planes_linear(x, self.planes) if self.planes is not None else F.linear(x, self.weight.to(x.dtype))
+
+    def widen(self) -> torch.Tensor:
+        if self.planes is None:
+            return self.weight.float()
+        return sum(p.widen() for p in self.planes)
+
+    def nbytes(self) -> int:
+        if self.planes is None:
+            return self.weight.numel() * self.weight.element_size()
+        return sum(p.nbytes() for p in self.planes)
+
+
+PACK_ROWS = 4096  # rows decoded and packed at a time: the transient codes stay a few MB
+
+
+def _segments(pieces: list[tuple[torch.Tensor, str | None]], dtype: torch.dtype) -> list[_Segment]:
+    """(rows, GGML type or None for float) per fused piece, in output order -> segments, pieces of one
+    type merged (one kernel call for q, k and v when they share a type)."""
+    runs: list[list] = []
+    for tensor, kind in pieces:
+        if runs and runs[-1][0] == kind:
+            runs[-1][1].append(tensor)
+        else:
+            runs.append([kind, [tensor]])
+    out = []
+    for kind, tensors in runs:
+        rows = sum(t.shape[0] for t in tensors)
+        if kind is None:
+            out.append(_Segment(rows, weight=torch.cat([t.to(dtype) for t in tensors])))
+        elif rows % 16:  # the packed layout works in blocks of 16 output rows
+            out.append(_Segment(rows, weight=torch.cat([decode(t, kind).dequantize().to(dtype) for t in tensors])))
+        else:
+            out.append(_Segment(rows, planes=_packed_planes(tensors, kind)))
+        for t in tensors:
+            release_file_pages(t)
+    return out
+
+
+def _packed_planes(tensors: list[torch.Tensor], kind: str):
+    """Int4 planes of the rows of ``tensors`` (block rows of one type), decoded and packed a few
+    thousand rows at a time into preallocated planes (no copy of the whole weight at any point)."""
+    from pagoda_quant.kernels.cpu_int4pack import PackedPlane
+
+    chunks = []
+    for t in tensors:
+        chunks += [t[i:i + PACK_ROWS] for i in range(0, t.shape[0], PACK_ROWS)]
+    if any(c.shape[0] % 64 for c in chunks[:-1]):  # pieces of odd sizes: pack them as one
+        chunks = [torch.cat(tensors)]
+    if len(chunks) == 1:
+        return [PackedPlane(p.codes, p.scale, p.zero) for p in to_planes(decode(chunks[0], kind))]
+    total = sum(c.shape[0] for c in chunks)
+    planes, row = None, 0
+    for c in chunks:
+        part = [PackedPlane(p.codes, p.scale, p.zero) for p in to_planes(decode(c, kind))]
+        if planes is None:
+            planes = [PackedPlane.empty_like(p, total) for p in part]
+        for whole, piece in zip(planes, part):
+            whole.write_rows(row, piece)
+        row += c.shape[0]
+        del part
+    return planes
+
+
+def release_file_pages(tensor: torch.Tensor) -> None:
+    """Drop the mapped file's pages under ``tensor`` from this process's memory once decoded (the core
+    loader's helper; nothing when the tensor is not a view of the file)."""
+    try:
+        from pagoda.loader.gguf_format import release_pages
+    except ImportError:
+        return
+    release_pages(tensor)
+
+
+def _gguf_kind(what: str, loaded: torch.Tensor) -> str | None:
+    """The block type of a tensor from the GGUF loader (None: it arrives as floats)."""
+    if not hasattr(loaded, "ggml_type"):
+        raise ModelLoadError(f"quantization gguf: {what} received a {loaded.dtype} weight, not GGUF blocks: this "
+                             f"setting applies to .gguf files; leave quantization unset for this model")
+    return loaded.ggml_type if loaded.dtype == torch.uint8 else None
+
+
+def _store_piece(layer, loaded: torch.Tensor, shard_id) -> None:
+    kind = _gguf_kind(f"layer {layer_name(layer)}", loaded)
+    index = 0 if shard_id is None else (shard_id if isinstance(shard_id, int) else layer.shard_names.index(shard_id))
+    layer.gguf_pieces[index] = (loaded, kind)
+
+
+class GgufCpuLinear(QuantizedLinearMethod):
+    """A linear layer of a GGUF file on the CPU: its pieces arrive as block rows (``ggml_type`` set by
+    the loader) or float tensors; after loading they become segments of packed planes."""
+
+    method_name = "gguf-cpu"
+
+    def create_weights(self, layer, input_size, output_sizes, params_dtype):
+        self.dtype = params_dtype
+        layer.gguf_pieces = {}
+        # a placeholder: the loader fills gguf_pieces, process_weights_after_loading builds the segments
+        add_param(layer, "weight", (0,), torch.uint8, output_dim=None, input_dim=None,
+                  weight_loader=lambda param, loaded, shard_id=None: _store_piece(layer, loaded, shard_id))
+
+    def process_weights_after_loading(self, layer):
+        pieces = layer.__dict__.pop("gguf_pieces")
+        expected = len(layer.output_partition_sizes)
+        if sorted(pieces) != list(range(expected)):
+            raise ModelLoadError(f"quantization gguf: layer {layer_name(layer)} got pieces {sorted(pieces)} of "
+                                 f"{expected}")
+        ordered = [pieces[i] for i in range(expected)]
+        for (t, kind), size in zip(ordered, layer.output_partition_sizes):
+            if t.shape[0] != size:
+                raise ModelLoadError(f"quantization gguf: layer {layer_name(layer)}: a {kind or 'float'} piece of "
+                                     f"{t.shape[0]} rows where {size} are expected")
+        layer.gguf_segments = _segments(ordered, self.dtype)
+        replace_param(layer, "weight", None)
+
+    def apply(self, layer, x, bias):
+        segs = layer.gguf_segments
+        out = segs[0](x) if len(segs) == 1 else torch.cat([s(x) for s in segs], dim=-1)
+        return out + bias if bias is not None else out
+
+    def dequantize(self, layer):
+        return torch.cat([s.widen() for s in layer.gguf_segments])
+
+    def weight_bytes(self, layer):
+        return sum(s.nbytes() for s in layer.gguf_segments)
+
+
+class GgufEmbedding:
+    """The embedding (and the LM head, tied or not) of a GGUF file on the CPU. The embedding keeps the
+    file's block rows (a view of the mapped file) and decodes the rows a step looks up; the LM head
+    packs them into int4 planes like a linear layer."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def load(self, module, loaded: torch.Tensor, shard_id=None) -> None:
+        kind = _gguf_kind(f"layer {module.prefix}", loaded)
+        expected = module.num_embeddings
+        if loaded.shape[0] != expected:
+            raise ModelLoadError(f"{module.prefix}.weight has {loaded.shape[0]} rows in the checkpoint, the model "
+                                 f"expects {expected} (vocab_size)")
+        module.gguf_rows = (loaded if kind is not None else loaded.to(self.dtype), kind)
+
+    def process_weights_after_loading(self, module) -> None:
+        source = getattr(module, "tied_to", None) or module
+        rows, kind = source.gguf_rows
+        if getattr(module, "is_lm_head", False):
+            module.gguf_segments = _segments([(rows, kind)], self.dtype)
+            if module is not source or kind is None:
+                module.__dict__.pop("gguf_rows", None)
+
+    def embed(self, module, input_ids: torch.Tensor) -> torch.Tensor:
+        rows, kind = module.gguf_rows
+        ids = input_ids.reshape(-1)
+        if kind is None:
+            return F.embedding(input_ids, rows)
+        picked = rows.index_select(0, ids) if ids.numel() < rows.shape[0] else rows
+        out = decode(picked, kind).dequantize().to(self.dtype)
+        if ids.numel() >= rows.shape[0]:
+            out = out.index_select(0, ids)
+        return out.view(*input_ids.shape, -1)
+
+    def weight_bytes(self, module) -> int:
+        """Bytes held in memory (the embedding's rows are a view of the mapped file: none)."""
+        return sum(s.nbytes() for s in getattr(module, "gguf_segments", ()))
+
+    def apply(self, module, hidden: torch.Tensor, bias) -> torch.Tensor:
+        segs = module.gguf_segments
+        out = segs[0](hidden) if len(segs) == 1 else torch.cat([s(hidden) for s in segs], dim=-1)
+        return out + bias if bias is not None else out
+
+
 class GgufConfig(PolicyConfig):
-    """``quantization: gguf``."""
+    """``quantization: gguf`` (chosen automatically for .gguf models on the CPU)."""
 
     name = "gguf"
 
+    def __init__(self, cpu: bool | None = None):
+        super().__init__()
+        self._cpu = cpu
+
+    @property
+    def cpu(self) -> bool:
+        """Whether the CPU packed path applies: the active platform is the CPU, one rank, and torch has the
+        CPU int4 kernels."""
+        if self._cpu is None:
+            from pagoda.distributed import get_tp_size
+            from pagoda.kernels import active_platform
+
+            from pagoda_quant.kernels.cpu_int4pack import kernel_available
+
+            self._cpu = active_platform() == "cpu" and get_tp_size() == 1 and kernel_available()
+        return self._cpu
+
     def gguf_keeps_raw(self, name: str, ggml_type: str) -> bool:
         """Whether the GGUF loader passes tensor ``name`` (HF naming) as raw blocks."""
-        if ggml_type not in RAW_TYPES or not name.endswith(".weight"):
+        if not name.endswith(".weight"):
             return False
         module = name[: -len(".weight")]
+        if self.cpu:
+            if ggml_type not in SUPPORTED or ".experts" in module:
+                return False
+            return not self.keeps_full_precision(module) or module.rpartition(".")[2] in EMBEDDINGS
+        if ggml_type != "Q4_1":
+            return False
         return not any(part in module for part in FULL_PRECISION) and not self.keeps_full_precision(module)
 
     def linear_method(self, layer, prefix):
-        return GgufQ4_1Method()
+        return GgufCpuLinear() if self.cpu else GgufQ4_1Method()
+
+    def prepare_model(self, model) -> None:
+        """Before loading: the embedding and LM head take the file's blocks too (CPU only)."""
+        if not self.cpu:
+            return
+        from pagoda.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+
+        dtype = torch.get_default_dtype()
+        embeddings = [m for m in model.modules() if isinstance(m, VocabParallelEmbedding)]
+        for module in embeddings:
+            if isinstance(module, ParallelLMHead):
+                module.is_lm_head = True
+                tied = next((e for e in embeddings if e is not module and e.weight is module.weight), None)
+                if tied is not None:
+                    module.tied_to = tied
+            method = GgufEmbedding(dtype)
+            module.quant_method = method
+        for module in embeddings:
+            tied = getattr(module, "tied_to", None)
+            if tied is not None:
+                continue
+            placeholder = torch.nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+            placeholder.weight_loader = (lambda m: lambda param, loaded, shard_id=None:
+                                         m.quant_method.load(m, loaded, shard_id))(module)
+            replace_param(module, "weight", None)
+            module.register_parameter("weight", placeholder)
+        for module in embeddings:
+            tied = getattr(module, "tied_to", None)
+            if tied is not None:
+                replace_param(module, "weight", None)
+                module.register_parameter("weight", tied.weight)
 
     def describe(self) -> str:
+        if self.cpu:
+            return "gguf: the file's quantized blocks as packed int4 planes on torch's CPU kernel (not widened)"
         return "gguf: Q4_1 linear weights of a GGUF file computed as INT4 (group 32), not dequantized"

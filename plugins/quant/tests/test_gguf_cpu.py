@@ -1,0 +1,104 @@
+"""GGUF blocks kept quantized on the CPU: every supported type's packed matmul against its dequantized
+float reference, and a K-quant file (written with the gguf package) against its dequantized model."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from pagoda import LLM, SamplingParams
+from pagoda.testing.gguf_files import random_blocks, write_tiny_llama_gguf
+from pagoda_quant.formats.gguf_blocks import SUPPORTED, decode, to_planes
+from pagoda_quant.kernels.cpu_int4pack import DEQUANT_ROWS, PackedPlane, planes_linear
+
+# The kernel takes bfloat16 activations and bfloat16 (scale, zero) pairs: each product carries
+# about 2^-8 relative error, so a K-long dot product is off by ~2^-8 of the sum of |x w| at worst.
+REL = 2 ** -7
+
+
+@pytest.mark.parametrize("ggml_type", SUPPORTED)
+def test_decoded_codes_are_the_gguf_weights_exactly(ggml_type):
+    raw = random_blocks(48, 512, ggml_type, np.random.default_rng(1))
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[ggml_type])
+    codes = decode(torch.from_numpy(raw), ggml_type)
+    np.testing.assert_array_equal(codes.dequantize().numpy(), want)
+    planes = to_planes(codes)  # the int4 digit planes sum to the same weights (float32 rounding only)
+    total = sum(((p.codes.float() - 8).view(48, -1, 32) * p.scale[..., None] + p.zero[..., None]).view(48, -1)
+                for p in planes)
+    np.testing.assert_allclose(total.numpy(), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("rows", [1, 5, DEQUANT_ROWS + 3])  # the int4 kernel, and the widened float GEMM
+@pytest.mark.parametrize("ggml_type", SUPPORTED)
+def test_packed_matmul_matches_the_dequantized_reference(ggml_type, rows):
+    rng = np.random.default_rng(2)
+    raw = random_blocks(96, 512, ggml_type, rng)
+    weight = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[ggml_type]))
+    planes = [PackedPlane(p.codes, p.scale, p.zero) for p in to_planes(decode(torch.from_numpy(raw), ggml_type))]
+    x = torch.from_numpy(rng.standard_normal((rows, 512)).astype(np.float32))
+    bias = torch.randn(96)
+    got = planes_linear(x, planes, bias)
+    want = x @ weight.t() + bias
+    bound = REL * (x.abs() @ weight.abs().t()) + 1e-6
+    assert got.dtype == torch.float32 and got.shape == (rows, 96)
+    assert bool(((got - want).abs() <= bound).all()), float(((got - want).abs() / bound).max())
+    ids = torch.tensor([0, 31, 32, 95, 7])  # an embedding lookup decodes just these rows
+    rows_got = sum(p.rows(ids) for p in planes)
+    torch.testing.assert_close(rows_got, weight[ids], atol=REL * float(weight.abs().max()), rtol=0)
+
+
+K_QUANTS = {"token_embd": "Q4_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K",
+            "ffn_gate": "Q5_K", "ffn_up": "Q5_K", "ffn_down": "Q6_K", "output": "Q6_K"}
+
+
+@pytest.fixture(scope="module")
+def k_quant_file(tmp_path_factory):
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("gguf") / "tiny-Q4_K_M.gguf", K_QUANTS, seed=0)
+
+
+def test_k_quant_file_generates_the_dequantized_models_greedy_tokens(k_quant_file):
+    kw = dict(model=str(k_quant_file), device="cpu", max_model_len=128, num_kv_blocks=32, block_size=8)
+    packed = LLM(**kw)
+    reference = LLM(**kw, quantization="none")  # the float path: every block widened at load
+    model = packed.engine.runner.model
+    assert model.quant_config.name == "gguf" and reference.engine.runner.model.quant_config is None
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert [len(s.planes) for s in qkv.gguf_segments] == [1, 4]  # q+k Q4_K: one plane; v Q6_K: two halves x2
+    assert not hasattr(qkv, "weight") and model.lm_head.gguf_segments[0].planes is not None
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = ["hello there", "the cat in the hat", "abc"]
+    ours = [o.outputs[0].token_ids for o in packed.generate(prompts, greedy)]
+    theirs = [o.outputs[0].token_ids for o in reference.generate(prompts, greedy)]
+    assert ours == theirs
+    ids = packed.engine.tokenize("the cat in the hat")
+    a, b = packed.prompt_logits(ids), reference.prompt_logits(ids)
+    assert float((a - b).abs().max()) < 0.05 * float(b.abs().max())
+
+
+def test_packed_weights_stay_near_the_files_size(k_quant_file):
+    """Resident weight bytes of the linear layers: the file's blocks plus bf16 scales per plane."""
+    model = LLM(model=str(k_quant_file), device="cpu", max_model_len=128, num_kv_blocks=8).engine.runner.model
+    layer = model.model.layers[0]
+    packed = sum(m.quant_method.weight_bytes(m) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                          layer.mlp.gate_up_proj, layer.mlp.down_proj))
+    reader = gguf.GGUFReader(str(k_quant_file))
+    stored = sum(int(t.n_bytes) for t in reader.tensors if t.name.startswith("blk.0.") and t.name.endswith(
+        ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight",
+         "ffn_up.weight", "ffn_down.weight")))
+    float32 = 4 * sum(int(np.prod(t.shape)) for t in reader.tensors if t.name.startswith("blk.0.")
+                      and "norm" not in t.name)
+    # 4-bit planes: Q4_K 1, Q5_K 2, Q6_K 4 (groups of 16 take two passes): about twice this file (Q6_K is
+    # half of it), well under float32
+    assert packed < 2.2 * stored and packed < float32 / 2.5
+
+
+def test_mixed_fused_layer_and_unsupported_types_fall_back_to_float(tmp_path):
+    """A Q2_K tensor (no packed decoder) arrives dequantized and computes in float beside packed pieces."""
+    path = write_tiny_llama_gguf(tmp_path / "mixed.gguf", {"attn_q": "Q2_K", "attn_k": "Q8_0", "attn_v": "F16",
+                                                           "ffn_up": "Q4_0"}, default_type="Q5_0", tied=True)
+    kw = dict(model=str(path), device="cpu", max_model_len=64, num_kv_blocks=16, block_size=8)
+    packed, reference = LLM(**kw), LLM(**kw, quantization="none")
+    qkv = packed.engine.runner.model.model.layers[1].self_attn.qkv_proj
+    assert [s.planes is None for s in qkv.gguf_segments] == [True, False, True]
+    ids = [5, 80, 120, 33, 9]
+    a, b = packed.prompt_logits(ids), reference.prompt_logits(ids)
+    assert float((a - b).abs().max()) < 0.05 * float(b.abs().max())
