@@ -200,3 +200,21 @@ def test_bench_serve_reports_latency_and_throughput(server, capsys):
     assert rc == 0 and rep["completed"] == 6 and rep["mode"].startswith("rate")
     assert pagoda_main(["bench", "serve", "--url", "http://192.0.2.1:8000"]) == 1
     assert "loopback" in capsys.readouterr().err
+
+
+def test_bench_serve_structured_outputs_mode_reports_the_mask_cost(server, capsys):
+    rc = pagoda_main(["bench", "serve", "--url", server.url, "--num-requests", "6", "--concurrency", "3",
+                      "--max-tokens", "12", "--prompt-len", "4", "--structured-outputs", "json",
+                      "--compare-unconstrained", "--json"])
+    rep = json.loads(capsys.readouterr().out)
+    assert rc == 0 and rep["completed"] == 6 and rep["structured_outputs"] == "json"
+    assert rep["unconstrained"]["completed"] == 6 and rep["unconstrained"]["output_tokens"] == 72
+    assert rep["ratio_to_unconstrained"] > 0
+    mask = rep["grammar_mask"]  # every constrained token had its row masked
+    assert mask["rows"] == rep["output_tokens"] and mask["seconds"] > 0 and mask["ms_per_step"] > 0
+    assert stats(server)["structured_outputs"]["mask_rows"] >= mask["rows"]
+    rc = pagoda_main(["bench", "serve", "--url", server.url, "--endpoint", "chat", "--num-requests", "2",
+                      "--max-tokens", "4", "--structured-outputs", "choice", "--json"])
+    assert rc == 0 and json.loads(capsys.readouterr().out)["grammar_mask"]["rows"] > 0
+    assert pagoda_main(["bench", "serve", "--url", server.url, "--compare-unconstrained"]) == 1
+    assert "--structured-outputs" in capsys.readouterr().err

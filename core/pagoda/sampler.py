@@ -15,6 +15,7 @@ batched selection retried row by row) fails that row only.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,26 @@ class SampleResult:
     prompt_logprobs: dict[int, list] = field(default_factory=dict)
 
 
+@dataclass
+class MaskCost:
+    """Grammar-mask work on the host: steps that had constrained rows, the rows, and the seconds spent
+    filling, applying and checking their bitmasks (the step waits for it)."""
+
+    steps: int = 0
+    rows: int = 0
+    seconds: float = 0.0
+
+    def add(self, rows: int, seconds: float) -> None:
+        self.steps += 1
+        self.rows += rows
+        self.seconds += seconds
+
+    def summary(self) -> dict:
+        return {"mask_steps": self.steps, "mask_rows": self.rows, "mask_seconds": self.seconds,
+                "mask_ms_per_step": 1000.0 * self.seconds / self.steps if self.steps else 0.0,
+                "mask_us_per_row": 1e6 * self.seconds / self.rows if self.rows else 0.0}
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
@@ -41,6 +62,7 @@ class Sampler:
         self._seq_generators: dict[int, torch.Generator] = {}
         self.stop_token_ids: set[int] = set()  # the engine's EOS ids (min_tokens holds them back)
         self.processors: dict = {}  # logits processors the engine enabled, by name
+        self.mask = MaskCost()  # what grammar masks cost the host (LLMEngine.get_stats reports it)
 
     def forget(self, seq_id: int) -> None:
         self._seq_generators.pop(seq_id, None)
@@ -111,6 +133,7 @@ class Sampler:
         if grammar:
             from pagoda.structured_outputs.backends import apply_bitmask
 
+            t0 = time.perf_counter()
             bitmask = torch.full((len(rows), (work.shape[-1] + 31) // 32), -1, dtype=torch.int32)  # all allowed
             for j in grammar:
                 try:
@@ -121,9 +144,13 @@ class Sampler:
                 except Exception as exc:
                     failed[j] = exc
             apply_bitmask(work, bitmask)
-            for j in grammar:
-                if j not in failed and bool(torch.isneginf(work[j]).all()):
+            # one device-to-host read for all rows: a row whose every token is forbidden cannot go on
+            index = torch.tensor(grammar, device=work.device)
+            blocked = torch.isneginf(work.index_select(0, index)).all(dim=1).tolist()
+            for j, none_left in zip(grammar, blocked):
+                if none_left and j not in failed:
                     failed[j] = RuntimeError("the grammar (with this request's other constraints) allows no token")
+            self.mask.add(len(grammar), time.perf_counter() - t0)
         return work
 
     def _pick(self, work: torch.Tensor, rows: list[Sequence], failed: dict) -> list[int]:

@@ -42,8 +42,36 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take")
     p.add_argument("--seed", type=int, default=0, help="seed for prompts and arrival times")
+    p.add_argument("--structured-outputs", choices=("json", "regex", "choice"), default=None,
+                   help="constrain every request (completions: `structured_outputs`; chat: `response_format` "
+                        "for json) with the same JSON schema, regex or choice; the report adds the server's "
+                        "grammar-mask cost from /metrics")
+    p.add_argument("--compare-unconstrained", action="store_true",
+                   help="with --structured-outputs: run the same requests unconstrained first and report the "
+                        "constrained/unconstrained output tok/s ratio")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
+
+
+# the constraint of --structured-outputs: open-ended enough that outputs run long, as extraction does
+BENCH_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string"}, "age": {"type": "integer"},
+    "tags": {"type": "array", "items": {"type": "string"}},
+    "address": {"type": "object", "properties": {"street": {"type": "string"}, "city": {"type": "string"}},
+                "required": ["street", "city"]}},
+    "required": ["name", "age", "tags", "address"]}
+BENCH_CONSTRAINTS = {"json": {"json": BENCH_SCHEMA}, "regex": {"regex": r"([a-z]+ ){4,40}[a-z]+\."},
+                     "choice": {"choice": ["positive", "negative", "neutral"]}}
+
+
+def constrain(body: dict, kind: str | None, endpoint: str) -> None:
+    """Add the --structured-outputs constraint to a request body, as clients send it."""
+    if kind is None:
+        return
+    if kind == "json" and endpoint == "chat":
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "person", "schema": BENCH_SCHEMA}}
+    else:
+        body["structured_outputs"] = BENCH_CONSTRAINTS[kind]
 
 
 @dataclass
@@ -71,6 +99,7 @@ class Plan:
     rate: float | None = None
     concurrency: int | None = None
     duration: float | None = None
+    structured: str | None = None  # --structured-outputs
     results: list[Result] = field(default_factory=list)
 
 
@@ -109,6 +138,7 @@ async def one_request(client, plan: Plan, prompt: str) -> Result:
         path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
     else:
         path, body["prompt"] = "/v1/completions", prompt
+    constrain(body, plan.structured, plan.endpoint)
     start = time.perf_counter()
     result = Result(ok=False, start=start, end=start)
     try:
@@ -220,8 +250,10 @@ def build_plan(args) -> Plan:
         model = r.json()["data"][0]["id"]
     rng = random.Random(args.seed)
     prompts = [" ".join(rng.choice(WORDS) for _ in range(args.prompt_len)) for _ in range(args.num_requests)]
+    if args.compare_unconstrained and not args.structured_outputs:
+        raise ConfigError("--compare-unconstrained needs --structured-outputs")
     plan = Plan(url, headers, model, args.endpoint, prompts, args.max_tokens, args.temperature, args.timeout,
-                duration=args.duration)
+                duration=args.duration, structured=args.structured_outputs)
     if args.request_rate is not None:
         if args.request_rate <= 0:
             raise ConfigError("--request-rate must be > 0")
@@ -236,18 +268,71 @@ def build_plan(args) -> Plan:
     return plan
 
 
-def run(args) -> int:
-    plan = build_plan(args)
+MASK_METRICS = ("pagoda_grammar_mask_seconds_total", "pagoda_grammar_mask_rows_total", "pagoda_engine_steps_total")
+
+
+def scrape(plan: Plan) -> dict[str, float]:
+    """The server's grammar-mask counters and step count (absent counters read 0)."""
+    import httpx
+
+    r = httpx.get(plan.url + "/metrics", headers=plan.headers, timeout=10)
+    values = dict.fromkeys(MASK_METRICS, 0.0)
+    for line in r.text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in values:
+            values[name] = float(value)
+    return values
+
+
+def measured(plan: Plan) -> dict:
+    """One run of the plan; with a constraint, the mask cost the server reports for it."""
+    before = scrape(plan) if plan.structured else None
+    plan.results = []
     wall = asyncio.run(drive(plan))
     rep = report(plan, wall)
+    rep["structured_outputs"] = plan.structured
+    if before is not None:
+        after = scrape(plan)
+        seconds, rows, steps = (after[k] - before[k] for k in MASK_METRICS)
+        rep["grammar_mask"] = {"seconds": round(seconds, 4), "rows": int(rows), "engine_steps": int(steps),
+                               "ms_per_step": round(1000 * seconds / steps, 3) if steps else None,
+                               "us_per_row": round(1e6 * seconds / rows, 2) if rows else None,
+                               "share_of_wall": round(seconds / wall, 4) if wall else None}
+    return rep
+
+
+def run(args) -> int:
+    plan = build_plan(args)
+    reports = []
+    if args.compare_unconstrained:
+        kind, plan.structured = plan.structured, None
+        reports.append(measured(plan))
+        plan.structured = kind
+    reports.append(measured(plan))
+    rep = reports[-1]
+    if len(reports) == 2 and reports[0]["output_tokens_per_s"]:
+        rep["unconstrained"] = reports[0]
+        rep["ratio_to_unconstrained"] = round(rep["output_tokens_per_s"] / reports[0]["output_tokens_per_s"], 4)
     if args.json:
         print(json.dumps(rep, indent=2))
     else:
-        print(f"{rep['completed']}/{rep['requests']} requests to {rep['model']} ({rep['mode']}) in "
-              f"{rep['duration_s']:.2f}s: {rep['request_throughput']} req/s, {rep['output_tokens_per_s']} output tok/s")
-        for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
-            v = rep[key]
-            print(f"  {key[:-3].upper():<5} ms  p50 {v['p50']}  p90 {v['p90']}  p99 {v['p99']}")
-        if rep["errors"]:
-            print(f"  errors: {rep['errors']}", file=sys.stderr)
-    return 0 if rep["completed"] == rep["requests"] else 1
+        for r in reports:
+            _print(r)
+        if "ratio_to_unconstrained" in rep:
+            print(f"  constrained / unconstrained output tok/s: {rep['ratio_to_unconstrained']:.3f}")
+    return 0 if all(r["completed"] == r["requests"] for r in reports) else 1
+
+
+def _print(rep: dict) -> None:
+    label = f" [{rep['structured_outputs']}]" if rep.get("structured_outputs") else ""
+    print(f"{rep['completed']}/{rep['requests']} requests to {rep['model']}{label} ({rep['mode']}) in "
+          f"{rep['duration_s']:.2f}s: {rep['request_throughput']} req/s, {rep['output_tokens_per_s']} output tok/s")
+    for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
+        v = rep[key]
+        print(f"  {key[:-3].upper():<5} ms  p50 {v['p50']}  p90 {v['p90']}  p99 {v['p99']}")
+    mask = rep.get("grammar_mask")
+    if mask:
+        print(f"  grammar masks: {mask['ms_per_step']} ms per engine step, {mask['us_per_row']} us per row, "
+              f"{100 * (mask['share_of_wall'] or 0):.1f}% of the wall time")
+    if rep["errors"]:
+        print(f"  errors: {rep['errors']}", file=sys.stderr)

@@ -379,6 +379,9 @@ class LLMEngine:
         experts = expert_load_summary(self.runner.expert_counts)
         if experts:
             stats["expert_load"] = experts
+        mask = self.runner.sampler.mask
+        if mask.steps:  # structured outputs: the grammar masks' host cost
+            stats["structured_outputs"] = mask.summary()
         return stats
 
 

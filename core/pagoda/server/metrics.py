@@ -59,6 +59,12 @@ class EngineCollector:
         if total:
             yield GaugeMetricFamily("pagoda_kv_cache_usage_ratio", "share of KV cache blocks in use",
                                     value=stats.get("kv_blocks_used", 0) / total)
+        masks = stats.get("structured_outputs")
+        if masks:
+            yield CounterMetricFamily("pagoda_grammar_mask_rows", "constrained rows whose grammar mask was "
+                                      "filled", value=float(masks["mask_rows"]))
+            yield CounterMetricFamily("pagoda_grammar_mask_seconds", "host seconds spent filling and applying "
+                                      "grammar masks", value=float(masks["mask_seconds"]))
         experts = stats.get("expert_load")
         if experts:
             load = CounterMetricFamily("pagoda_expert_tokens", "tokens routed to each expert of each MoE "

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Structured outputs on one CUDA GPU (nvidia-h200), issue 16's benchmark: `pagoda serve` with a
+# random-weight Qwen3-0.6B shape, driven by `pagoda bench serve --concurrency 64`, first unconstrained and
+# then with every request under the same JSON schema (xgrammar); prints the output tok/s ratio and the
+# grammar masks' host cost per engine step. Results go to $OUT (default out/structured): structured.log,
+# bench-<backend>.json.
+#
+# The shape has no tokenizer of its own and the GPU machine has no hub access: the tokenizer is
+# SmolLM2's (49,152 tokens, built from the embedded GGUF), carried in .whl/smollm2-tokenizer; the model's
+# vocabulary (151,936) is larger, so the masks also cover a padded vocabulary. Before the call, on the
+# development machine:
+#   mkdir -p .whl && cp /work/shared/gpu-wheels/*.whl .whl/     # plus xgrammar, apache-tvm-ffi, llguidance
+#   python -c "from pagoda.loader.source import default_model_path as p; from pagoda.loader.gguf_file import \
+#     open_gguf; open_gguf(p()).tokenizer().hf.save_pretrained('.whl/smollm2-tokenizer')"
+# Run (device tool, carry [".whl"]): bash scripts/gpu_structured.sh     (about 3 minutes)
+# Settings: BACKENDS="xgrammar llguidance" CONCURRENCY=64 NUM_REQUESTS=256 MAX_TOKENS=256 PROMPT_LEN=64
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out/structured}
+mkdir -p "$OUT"
+LOG="$OUT/structured.log"
+BACKENDS=${BACKENDS:-"xgrammar llguidance"}
+CONCURRENCY=${CONCURRENCY:-64}
+NUM_REQUESTS=${NUM_REQUESTS:-256}
+MAX_TOKENS=${MAX_TOKENS:-256}
+PROMPT_LEN=${PROMPT_LEN:-64}
+PORT=${PORT:-8123}
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+T0=$(date +%s)
+say() { echo "[structured +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
+
+# shellcheck source=scripts/gpu_install.sh
+. scripts/gpu_install.sh
+MODEL=/tmp/pagoda-structured-qwen3
+$PY - "$MODEL" <<'PYEOF' 2>&1 | tee -a "$LOG"
+import shutil, sys
+from pathlib import Path
+from pagoda.bench.shapes import write_shape
+model = write_shape("qwen3-0.6b", Path(sys.argv[1]))
+for f in Path(".whl/smollm2-tokenizer").iterdir():
+    shutil.copy(f, model / f.name)
+print("model", model, "with", sorted(p.name for p in model.iterdir()))
+PYEOF
+for backend in $BACKENDS; do
+  say "serve qwen3-0.6b shape (dummy weights), structured_outputs_backend=$backend"
+  $PY -m pagoda.cli.main serve --model "$MODEL" --load-format dummy --port "$PORT" --max-num-seqs 128 \
+    --structured-outputs-backend "$backend" >>"$LOG" 2>&1 &
+  SERVER=$!
+  for _ in $(seq 1 120); do
+    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
+    kill -0 $SERVER 2>/dev/null || break
+    sleep 1
+  done
+  say "server up (pid $SERVER); bench: $NUM_REQUESTS requests, concurrency $CONCURRENCY, $MAX_TOKENS tokens"
+  timeout 240 $PY -m pagoda.cli.main bench serve --url "http://127.0.0.1:$PORT" --concurrency "$CONCURRENCY" \
+    --num-requests "$NUM_REQUESTS" --max-tokens "$MAX_TOKENS" --prompt-len "$PROMPT_LEN" \
+    --structured-outputs json --compare-unconstrained --json > "$OUT/bench-$backend.json" 2>>"$LOG"
+  say "bench exit $?"
+  kill $SERVER; wait $SERVER 2>/dev/null
+done
+$PY - "$OUT" <<'PYEOF' 2>&1 | tee -a "$LOG"
+import json, sys
+from pathlib import Path
+print("| backend | unconstrained tok/s | JSON-schema tok/s | ratio | mask ms/step | mask us/row | mask share |")
+print("| --- | --- | --- | --- | --- | --- | --- |")
+for path in sorted(Path(sys.argv[1]).glob("bench-*.json")):
+    try:
+        r = json.loads(path.read_text())
+    except ValueError:
+        print(f"| {path.stem[6:]} | failed (see structured.log) |"); continue
+    m = r.get("grammar_mask") or {}
+    print(f"| {path.stem[6:]} | {r['unconstrained']['output_tokens_per_s']} | {r['output_tokens_per_s']} | "
+          f"{r.get('ratio_to_unconstrained')} | {m.get('ms_per_step')} | {m.get('us_per_row')} | "
+          f"{m.get('share_of_wall')} |")
+PYEOF
