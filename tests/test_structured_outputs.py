@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 import torch
 from pagoda.errors import RequestError
-from pagoda.structured_outputs.backends import apply_bitmask
+from pagoda.structured_outputs.backends import apply_bitmask, fill_bitmasks
 from pagoda.structured_outputs.manager import StructuredOutputManager
 from pagoda.structured_outputs.params import StructuredOutputsParams
 from pagoda.testing.reference import save_byte_tokenizer
@@ -62,7 +62,10 @@ def test_json_schema_outputs_validate(manager, tokenizer, seed):
     text = walk(manager, StructuredOutputsParams(json=SCHEMA), tokenizer, seed)
     # xgrammar's JSON strings admit raw control characters (a random walk finds them; models hardly
     # emit them), which Python's strict parser refuses: parse as most JSON parsers do
-    jsonschema.validate(json.loads(text, strict=False), SCHEMA)
+    obj = json.loads(text, strict=False)
+    jsonschema.validate(obj, SCHEMA)
+    order = list(SCHEMA["properties"])  # properties come in the schema's order (not sorted: age < name)
+    assert list(obj) == sorted(obj, key=order.index)
 
 
 def test_regex_choice_grammar_and_json_object(manager, tokenizer):
@@ -87,6 +90,23 @@ def accepts(manager, params, tokenizer, text):
             return False
         matcher.accept(token)
     return matcher.terminated
+
+
+def test_batched_fill_equals_one_row_at_a_time(manager, tokenizer):
+    """The libraries' batched (threaded) fill writes the same rows as the per-row fill, at any row."""
+    grammars = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(regex=r"[a-c]{2,4}-\d"),
+                StructuredOutputsParams(choice=["yes", "no"])]
+    matchers = [manager.compile(g).matcher() for g in grammars]
+    for m, prefix in zip(matchers, ['{"name":"ab', "ab", "y"]):
+        for token in tokenizer.encode(prefix, add_special_tokens=False):
+            assert m.accept(token)
+    rows = [4, 0, 2]
+    batched = torch.zeros(5, (VOCAB + 31) // 32, dtype=torch.int32)
+    fill_bitmasks(list(zip(matchers, rows)), batched)
+    single = torch.zeros_like(batched)
+    for m, row in zip(matchers, rows):
+        m.fill_bitmask(single, row)
+    assert torch.equal(batched, single) and bool((batched[rows] != 0).any(dim=1).all())
 
 
 def test_compile_errors_name_the_field(manager):

@@ -38,7 +38,7 @@ class SampleResult:
 @dataclass
 class MaskCost:
     """Grammar-mask work on the host: steps that had constrained rows, the rows, and the seconds spent
-    filling, applying and checking their bitmasks (the step waits for it)."""
+    filling their bitmasks (the step's sampling waits for it)."""
 
     steps: int = 0
     rows: int = 0
@@ -131,18 +131,23 @@ class Sampler:
             except Exception as exc:
                 failed[j] = exc
         if grammar:
-            from pagoda.structured_outputs.backends import apply_bitmask
+            from pagoda.structured_outputs.backends import apply_bitmask, fill_bitmasks
 
             t0 = time.perf_counter()
             bitmask = torch.full((len(rows), (work.shape[-1] + 31) // 32), -1, dtype=torch.int32)  # all allowed
+            try:  # all rows at once, on the grammar libraries' threads
+                fill_bitmasks([(rows[j].grammar, j) for j in grammar], bitmask)
+            except Exception:  # row by row, to pin the failure on its request
+                for j in grammar:
+                    try:
+                        rows[j].grammar.fill_bitmask(bitmask, j)
+                    except Exception as exc:
+                        failed[j] = exc
             for j in grammar:
-                try:
-                    rows[j].grammar.fill_bitmask(bitmask, j)
-                    if rows[j].grammar_opening is not None:  # the token that would open the reasoning
-                        token = rows[j].grammar_opening[0]
-                        bitmask[j, token // 32] |= _bit(token % 32)
-                except Exception as exc:
-                    failed[j] = exc
+                if rows[j].grammar_opening is not None and j not in failed:  # the token opening the reasoning
+                    token = rows[j].grammar_opening[0]
+                    bitmask[j, token // 32] |= _bit(token % 32)
+            self.mask.add(len(grammar), time.perf_counter() - t0)  # host time, before the device applies it
             apply_bitmask(work, bitmask)
             # one device-to-host read for all rows: a row whose every token is forbidden cannot go on
             index = torch.tensor(grammar, device=work.device)
@@ -150,7 +155,6 @@ class Sampler:
             for j, none_left in zip(grammar, blocked):
                 if none_left and j not in failed:
                     failed[j] = RuntimeError("the grammar (with this request's other constraints) allows no token")
-            self.mask.add(len(grammar), time.perf_counter() - t0)
         return work
 
     def _pick(self, work: torch.Tensor, rows: list[Sequence], failed: dict) -> list[int]:

@@ -63,7 +63,7 @@ class EngineCollector:
         if masks:
             yield CounterMetricFamily("pagoda_grammar_mask_rows", "constrained rows whose grammar mask was "
                                       "filled", value=float(masks["mask_rows"]))
-            yield CounterMetricFamily("pagoda_grammar_mask_seconds", "host seconds spent filling and applying "
+            yield CounterMetricFamily("pagoda_grammar_mask_seconds", "host seconds spent filling "
                                       "grammar masks", value=float(masks["mask_seconds"]))
         experts = stats.get("expert_load")
         if experts:

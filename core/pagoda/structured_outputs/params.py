@@ -61,7 +61,8 @@ class StructuredOutputsParams:
                                        code="invalid_grammar") from None
             if not isinstance(value, (dict, bool)):
                 raise RequestError(f"{field} must be a JSON schema (an object)", field=field, code="invalid_grammar")
-            text = jsonlib.dumps(value, sort_keys=True, separators=(",", ":"))
+            # the schema's own key order: grammar engines emit properties in it (as OpenAI's API does)
+            text = jsonlib.dumps(value, separators=(",", ":"))
         elif kind == "choice":
             if (not isinstance(value, (list, tuple)) or not value
                     or not all(isinstance(c, str) and c for c in value)):
