@@ -22,7 +22,7 @@ import triton.language as tl
 from pagoda_cuda._triton import interpreting, next_pow2, sm_count, to_f16
 from pagoda_cuda.attention.key_tile import key_tile
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # a global a kernel reads must be a constexpr
 
 
 @triton.jit
