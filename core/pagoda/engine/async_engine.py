@@ -58,6 +58,12 @@ class RequestFailedError(PagodaError):
 _FINISHED = object()  # stream sentinel: no more outputs
 
 
+def _deliver(items: list) -> None:
+    """On the event loop: a step's outputs into their requests' queues."""
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
 class RequestStream:
     """Async iterator over one request's outputs (each cumulative). Closing it early aborts."""
 
@@ -334,15 +340,22 @@ class AsyncEngine:
                 continue
             # A failure pinned to one request ends that request inside the step (its output carries
             # the error); an exception out of step() cannot be pinned and stops the engine.
+            deliveries: dict[asyncio.AbstractEventLoop, list] = {}
             for out in engine.step():
                 stream = self._streams.get(out.request_id)
                 if stream is None:
                     continue
                 if out.finished:
                     del self._streams[out.request_id]
-                stream._push(out if out.error is None else RequestFailedError(
+                deliveries.setdefault(stream.loop, []).append((stream.queue, out if out.error is None else
+                                                               RequestFailedError(
                     f"request {out.request_id} failed inside the engine and was ended ({out.error}); "
-                    f"the other requests were not affected"))
+                    f"the other requests were not affected")))
+            for loop, items in deliveries.items():  # one wake-up of each event loop per step, not one per request
+                try:
+                    loop.call_soon_threadsafe(_deliver, items)
+                except RuntimeError:  # the loop is closed: nobody is listening any more
+                    pass
             self._count_waiting()
 
     def _fail(self, exc: BaseException) -> None:
