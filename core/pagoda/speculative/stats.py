@@ -40,3 +40,21 @@ class SpeculativeStats:
             "mean_accepted_length": 1 + self.accepted_tokens / self.num_drafts if self.num_drafts else 0.0,
             "per_position_acceptance": [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)],
         }
+
+
+def speculative_lines(stats: dict | None) -> list[str]:
+    """The ``pagoda bench`` output line of an engine's speculative stats (none without speculation)."""
+    if not stats:
+        return []
+    per = " ".join(f"{a:.2f}" for a in stats["per_position_acceptance"])
+    return [f"  speculative      {stats['accepted_tokens']:,} of {stats['draft_tokens']:,} drafted tokens accepted "
+            f"({100 * stats['acceptance_rate']:.1f}%), {stats['mean_accepted_length']:.2f} tokens per "
+            f"verification; by position {per}"]
+
+
+def repeated_prompts(prompts: list[list[int]], period: int) -> list[list[int]]:
+    """Each prompt's first ``period`` tokens repeated to its length (a benchmark workload where
+    prompt lookup finds drafts)."""
+    if period <= 0:
+        raise ValueError("--prompt-period must be positive")
+    return [[p[i % period] for i in range(len(p))] for p in prompts]
