@@ -52,12 +52,31 @@ def make(path, **kw) -> LLM:
     return LLM(model=str(path), device="cpu", dtype="float32", block_size=BLOCK, **{"num_kv_blocks": 96, **kw})
 
 
+@pytest.fixture
+def verify_as_decodes(monkeypatch, request):
+    """Verification as a chunk (the prefill path) or as decode rows (the form CUDA graphs replay), eagerly."""
+    from pagoda.speculative.decoder import SpeculativeDecoder
+
+    init = SpeculativeDecoder.__init__
+
+    def patched(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.verify_as_decodes = request.param
+
+    monkeypatch.setattr(SpeculativeDecoder, "__init__", patched)
+    return request.param
+
+
+@pytest.mark.parametrize("verify_as_decodes", [False, True], indirect=True, ids=["chunk", "rows"])
 @pytest.mark.parametrize("method", ["ngram", "draft_self", "draft_small"])
 def test_greedy_equals_transformers_with_chunked_prefill_and_preemption(target, small_draft, prompts, reference,
-                                                                          method):
+                                                                          method, verify_as_decodes):
     spec = methods(target, small_draft)[method]
     result, llm = check_greedy(target, prompts, MAX_TOKENS, expected=reference,
                                engine={"speculative_config": spec})
+    decoder = llm.engine.speculative
+    assert decoder.verify_as_decodes is verify_as_decodes
+    assert (decoder.verified_as_decodes > 0) is verify_as_decodes  # the form under test ran
     result.assert_passed()
     stats = llm.get_stats()["speculative"]
     assert stats["draft_tokens"] > 0, stats  # verification ran
@@ -146,10 +165,10 @@ def test_rejected_slots_are_given_back_and_hashes_cover_kept_tokens(target, prom
 @pytest.mark.parametrize("one_hot", [False, True])
 def test_rejection_sampling_keeps_the_target_distribution(one_hot):
     """Over many draws, the first two tokens a verification yields follow the target's p0 and p1,
-    whatever the draft proposed. Tolerance 0.02 on each probability: about 5.5 standard
-    deviations at 12000 draws; a sampler that kept every draft would be off by > 0.2."""
+    whatever the draft proposed. Tolerance 0.025 on each probability of the first token: about 4.5
+    standard deviations at 8000 draws; a sampler that kept every draft would be off by > 0.2."""
     gen = torch.Generator().manual_seed(0)
-    vocab, draws = 5, 12000
+    vocab, draws = 5, 8000
     p = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05], [0.1, 0.1, 0.6, 0.1, 0.1], [0.2] * 5])
     q = torch.tensor([[0.05, 0.1, 0.15, 0.2, 0.5], [0.4, 0.3, 0.1, 0.1, 0.1]])
     assert (p[:2] - q).abs().max() > 0.4  # the draft is far from the target
@@ -157,15 +176,15 @@ def test_rejection_sampling_keeps_the_target_distribution(one_hot):
     proposals = torch.multinomial(q, draws, replacement=True, generator=gen).T.tolist()  # [draws, 2]
     for d in proposals:
         if one_hot:
-            d = [3, 0]  # a deterministic proposer always drafting the same tokens
+            d = [0, 2]  # a deterministic proposer always drafting the same tokens
         tokens, kept = accept_sampled(p, d, None if one_hot else q, gen)
         assert tokens[:kept] == d[:kept] and len(tokens) == kept + 1
         first[tokens[0]] += 1
         if len(tokens) > 1:
             second[tokens[1]] += 1
-    assert (first / draws - p[0]).abs().max() < 0.02, first / draws
-    assert second.sum() > 1000
-    assert (second / second.sum() - p[1]).abs().max() < 0.03, second / second.sum()
+    assert (first / draws - p[0]).abs().max() < 0.025, first / draws
+    assert second.sum() > 3000
+    assert (second / second.sum() - p[1]).abs().max() < 0.04, second / second.sum()
 
 
 def test_sampled_requests_are_reproducible_with_a_seed(target, prompts):

@@ -88,7 +88,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching, windows)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.step_budget.tokens, self.max_model_len,
                                    idle_step_tokens=self.step_budget.idle_tokens)
-        self.runner.capture_graphs(config.max_num_seqs, self.max_model_len)
+        graph_batch = self.speculative.graph_batch_size(config.max_num_seqs) if self.speculative else None
+        self.runner.capture_graphs(graph_batch or config.max_num_seqs, self.max_model_len)
         # offline steps launched ahead of the host work: every step on one CUDA device
         # (pagoda.engine.pipeline), decode steps of a tensor-parallel engine (pagoda.engine.lookahead)
         self.pipeline: StepPipeline | None = None

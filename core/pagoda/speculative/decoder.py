@@ -28,6 +28,7 @@ from pagoda.sequence import Sequence, SequenceStatus
 from pagoda.speculative.acceptance import accept_greedy, accept_sampled, processed_rows, sampling_probs
 from pagoda.speculative.config import SpeculativeConfig, parse_speculative_config
 from pagoda.speculative.stats import SpeculativeStats
+from pagoda.speculative.verify_rows import forward_as_decodes
 
 logger = logging.getLogger("pagoda")
 
@@ -60,7 +61,16 @@ class SpeculativeDecoder:
 
             self.proposer = DraftModelProposer(engine, spec)
         self.stats = SpeculativeStats(self.k)
+        # decode-only verifications as decode batches: None replays the target's decode graphs where they
+        # fit the rows, else verifies as chunks on the prefill path; True also runs decode rows eagerly
+        # (tests); False always chunks
+        self.verify_as_decodes: bool | None = None
+        self.verified_as_decodes = self.verified_as_chunks = 0  # verification steps of each form
         logger.info("speculative decoding: %s, %d tokens per step", spec.method, self.k)
+
+    def graph_batch_size(self, max_num_seqs: int) -> int:
+        """Decode graphs hold every row of a full verification batch (1 + k rows per sequence)."""
+        return max_num_seqs * (1 + self.k)
 
     def target_kv_blocks(self) -> int | None:
         """KV blocks the target allocates (None: all that fit); a draft model takes its share first."""
@@ -86,7 +96,15 @@ class SpeculativeDecoder:
                 if it.seq.seq_id in drafts]
         vout = SchedulerOutput(plain + spec + out.scheduled[nd:], len(plain),
                                out.num_batched_tokens + sum(map(len, drafts.values())), out.preempted)
-        logits, rows, prompt = self._forward(vout, drafts)
+        found = None
+        if self.verify_as_decodes is not False and not out.scheduled[nd:]:  # decode-only: graphs where they fit
+            found = forward_as_decodes(engine.runner, vout, drafts, eager=bool(self.verify_as_decodes))
+        if found is not None:
+            (logits, rows), prompt = found, {}
+            self.verified_as_decodes += 1
+        else:
+            logits, rows, prompt = self._forward(vout, drafts)
+            self.verified_as_chunks += 1
         for it in spec:  # the drafts leave token_ids: what is kept is appended below
             del it.seq.token_ids[-len(drafts[it.seq.seq_id]):]
 

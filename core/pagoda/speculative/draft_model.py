@@ -7,7 +7,8 @@ on what it has not computed (the whole prompt the first time), then decodes k to
 draft step per token. Greedy requests draft the draft's argmax; sampled requests draw from the
 draft's distribution after the request's own processing, temperature, top-k, top-p and min-p, and
 that distribution q goes to rejection sampling. The two caches share the KV memory budget: each
-holds the same number of blocks, sized so that both fit in what the target alone would take.
+holds the same number of blocks, sized so that both fit in what the target alone would take. The
+draft's decode steps replay its own captured decode graphs where the platform has them.
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ class DraftModelProposer:
                               f"below max_model_len {engine.max_model_len}; lower max_model_len")
         draft_config = config.model_copy(update=dict(
             model=spec.model, revision=spec.revision, quantization=spec.quantization, speculative_config=None,
-            tensor_parallel_size=1, enforce_eager=True, expert_placement=None, enable_expert_parallel=False))
+            tensor_parallel_size=1, expert_placement=None, enable_expert_parallel=False))
         runner = engine.runner
+        self.max_num_seqs, self.max_model_len = config.max_num_seqs, engine.max_model_len
         self.runner = ModelRunner(draft_config, self.source, hf_config, engine.platform, runner.dtype_name,
                                   runner.device)
         self.block_manager: BlockManager | None = None
@@ -73,6 +75,7 @@ class DraftModelProposer:
         self.runner.allocate_kv_cache(blocks)
         self.block_manager = BlockManager(blocks, target_runner.config.block_size, False,
                                           self.runner.kv_layout.windows)
+        self.runner.capture_graphs(self.max_num_seqs, self.max_model_len)  # the draft's decode steps
         return blocks
 
     # ------------------------------------------------------------------ shadows
@@ -170,6 +173,8 @@ class DraftModelProposer:
     def _forward(self, out: SchedulerOutput) -> torch.Tensor:
         """The draft's logits [n, V] at the last scheduled token of each sequence of ``out``."""
         runner = self.runner
+        if runner.graphs is not None and runner.graphs.can_run(out):
+            return runner.graphs.run(out)
         inputs = runner._inputs(out)
         with set_forward_context(runner._context(inputs)):
             hidden = runner.model(inputs.input_ids, inputs.positions)
