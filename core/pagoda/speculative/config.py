@@ -1,8 +1,9 @@
 """``speculative_config``: which proposer drafts tokens and how many (vLLM's names).
 
 ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}``,
-``{"method": "draft_model", "model": PATH, "num_speculative_tokens": k}``. ``mtp`` and ``eagle3``
-are recognised and refused with a message saying so.
+``{"method": "draft_model", "model": PATH, "num_speculative_tokens": k}``, ``{"method": "mtp",
+"num_speculative_tokens": k}`` (DeepSeek-V3's MTP layer). ``eagle3`` is recognised and refused with a
+message saying so.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ from pagoda.errors import ConfigError
 
 METHODS = ("ngram", "draft_model", "mtp", "eagle3")
 NOT_YET = {
-    "mtp": "method 'mtp' (DeepSeek-V3's next-token-prediction layers) is not implemented in pagoda yet: its MTP "
-           "layers are still skipped at load; use method 'ngram' or 'draft_model'",
     "eagle3": "method 'eagle3' (an EAGLE-3 head) is not implemented in pagoda yet; use method 'ngram' or "
               "'draft_model'",
 }

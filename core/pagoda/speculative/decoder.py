@@ -56,6 +56,10 @@ class SpeculativeDecoder:
             from pagoda.speculative.ngram import NgramProposer
 
             self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        elif spec.method == "mtp":
+            from pagoda.speculative.mtp import MTPProposer
+
+            self.proposer = MTPProposer(engine, spec)
         else:
             from pagoda.speculative.draft_model import DraftModelProposer
 
@@ -66,6 +70,10 @@ class SpeculativeDecoder:
         # (tests); False always chunks
         self.verify_as_decodes: bool | None = None
         self.verified_as_decodes = self.verified_as_chunks = 0  # verification steps of each form
+        # a proposer that reads the target's hidden states after each step (mtp) sees every step
+        self.after_step = getattr(self.proposer, "after_step", None)
+        if self.after_step is not None:
+            self.verify_as_decodes = False
         logger.info("speculative decoding: %s, %d tokens per step", spec.method, self.k)
 
     def graph_batch_size(self, max_num_seqs: int) -> int:
@@ -87,7 +95,7 @@ class SpeculativeDecoder:
     def step(self, out: SchedulerOutput, finished_only: bool, t0: float, t1: float):
         """Run ``out`` with verification; None when nothing was drafted (the engine runs it plainly)."""
         drafts, q = self._draft(out)
-        if not drafts:
+        if not drafts and self.after_step is None:
             return None
         engine = self.engine
         nd = out.num_decodes
@@ -103,8 +111,8 @@ class SpeculativeDecoder:
             (logits, rows), prompt = found, {}
             self.verified_as_decodes += 1
         else:
-            logits, rows, prompt = self._forward(vout, drafts)
-            self.verified_as_chunks += 1
+            logits, rows, prompt, hidden, qsl = self._forward(vout, drafts)
+            self.verified_as_chunks += bool(drafts)
         for it in spec:  # the drafts leave token_ids: what is kept is appended below
             del it.seq.token_ids[-len(drafts[it.seq.seq_id]):]
 
@@ -147,6 +155,8 @@ class SpeculativeDecoder:
         for it in spec:
             if it.seq.status is SequenceStatus.RUNNING:
                 bm.trim_slots(it.seq, it.seq.num_tokens)  # blocks that held only rejected drafts
+        if self.after_step is not None:
+            self.after_step(vout, hidden, qsl, engine, self.may_speculate)
         return outputs
 
     def _draft(self, out: SchedulerOutput) -> tuple[dict[int, list[int]], dict]:
@@ -187,7 +197,7 @@ class SpeculativeDecoder:
     def _forward(self, vout: SchedulerOutput, drafts: dict[int, list[int]]):
         """The target's logits [R, V] of every row to sample from (all 1 + k positions of a
         verified sequence, the last one of the others); rows[j]: the logits rows of sampling
-        item j; the step's prompt logprobs."""
+        item j; the step's prompt logprobs; the hidden states [T, H] and each item's first row."""
         runner = self.engine.runner
         inputs = runner._inputs(vout)
         qsl = inputs.meta.query_start_loc_cpu
@@ -201,10 +211,11 @@ class SpeculativeDecoder:
         ctx = runner._context(inputs)
         with set_forward_context(ctx):
             hidden = runner.model(inputs.input_ids, inputs.positions)
-            logits = runner.model.compute_logits(hidden.index_select(0, torch.tensor(flat, device=hidden.device)))
+            logits = runner.model.compute_logits(hidden.index_select(0, torch.tensor(flat, dtype=torch.long,
+                                                                                     device=hidden.device)))
             prompt = runner._prompt_logprobs(vout, inputs, hidden)
         runner._accumulate_experts(ctx)
-        return logits, rows, prompt
+        return logits, rows, prompt, hidden, qsl
 
     def _accept(self, seq: Sequence, logits: torch.Tensor, drafts: list[int], q) -> tuple[list[int], int]:
         sampler = self.engine.runner.sampler

@@ -172,6 +172,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
               "the checkpoint; cache bytes per token; expert counts vs the HF router's choices "
               "(tests/test_models_deepseek.py)")
     decoder_layer = DeepseekV3DecoderLayer
+    mtp_architecture = "DeepSeekMTPModel"  # what speculative method mtp loads from the skipped MTP layers
 
     def load_weights(self, weights) -> set[str]:
         tied = getattr(self.config, "tie_word_embeddings", False)
