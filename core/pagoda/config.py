@@ -93,8 +93,8 @@ class EngineConfig(BaseModel):
                                                   "model's shapes (benchmarks)")
     speculative_config: dict | None = Field(None, description="speculative decoding (docs/speculative.md), "
                                             "vLLM's keys: {method: ngram, num_speculative_tokens: 3, "
-                                            "prompt_lookup_max: 3, prompt_lookup_min: 1} or {method: draft_model, "
-                                            "model: PATH, num_speculative_tokens: 3}")
+                                            "prompt_lookup_max: 3, prompt_lookup_min: 1}, {method: draft_model, "
+                                            "model: PATH, num_speculative_tokens: 3} or {method: mtp} (DeepSeek-V3)")
 
     @model_validator(mode="before")
     @classmethod
