@@ -5,7 +5,6 @@ graphs on CUDA) keeps greedy outputs equal to transformers'."""
 import pytest
 from pagoda import LLM, SamplingParams
 from pagoda.testing import hf_greedy_tokens, make_tiny_checkpoint, random_prompts
-
 from test_model_triton import MODELS, triton_ops_here  # noqa: F401  (the fixture)
 
 
