@@ -5,9 +5,12 @@
 #  2. latency: `pagoda bench latency` on a qwen3-0.6b-shaped random checkpoint (written once, so the
 #     draft can load the very same weights), batch 1 and 8, without speculation, with the model drafting
 #     for itself (acceptance high by construction: the machinery's ceiling), and n-gram prompt lookup on
-#     repetitive prompts (--prompt-period 8).
+#     repetitive prompts (--prompt-period 8; its plain baseline is the plain row: the prompt's content does
+#     not change plain decoding's speed);
+#  3. MTP: deepseek-v3-4l with random weights (load_format dummy, MTP layer included), batch 1, with and
+#     without method mtp (random weights: acceptance near zero; this measures the cost of the machinery).
 # Results go to $OUT (default out/spec): spec.log, lat-*.json (format: pagoda.bench.latency/1), summary.txt.
-#   SPEC_K=4  INPUT_LEN=128  OUTPUT_LEN=96  ITERS=2  RUN_TIMEOUT=50   settings
+#   SPEC_K=4  INPUT_LEN=128  OUTPUT_LEN=96  ITERS=2  RUN_TIMEOUT=45  MTP=1   settings
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/spec}
@@ -18,7 +21,8 @@ SPEC_K=${SPEC_K:-4}
 INPUT_LEN=${INPUT_LEN:-128}
 OUTPUT_LEN=${OUTPUT_LEN:-96}
 ITERS=${ITERS:-2}
-RUN_TIMEOUT=${RUN_TIMEOUT:-50}
+RUN_TIMEOUT=${RUN_TIMEOUT:-45}
+MTP=${MTP:-1}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 T0=$(date +%s)
 say() { echo "[spec +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
@@ -67,7 +71,7 @@ lat() {  # name, batch, extra args...
   local name=$1 batch=$2
   shift 2
   say "latency $name (batch $batch)"
-  timeout "$RUN_TIMEOUT" $PY -m pagoda.cli.main bench latency --model "$CKPT" --dtype bfloat16 --batch-size "$batch" \
+  timeout "$RUN_TIMEOUT" $PY -m pagoda.cli.main bench latency --model "${MODEL_DIR:-$CKPT}" --dtype bfloat16 --batch-size "$batch" \
     --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --num-iters "$ITERS" --num-iters-warmup 1 --max-num-seqs 8 \
     --json "$OUT/lat-$name-b$batch.json" "$@" >"$OUT/lat-$name-b$batch.txt" 2>&1 || say "$name b$batch failed or timed out"
   grep -E "batch latency|output tok/s|speculative" "$OUT/lat-$name-b$batch.txt" | tee -a "$LOG"
@@ -75,9 +79,14 @@ lat() {  # name, batch, extra args...
 for b in 1 8; do
   lat plain "$b"
   lat draft-self "$b" --speculative-config "{\"method\": \"draft_model\", \"model\": \"$CKPT\", \"num_speculative_tokens\": $SPEC_K}"
-  lat ngram-plain "$b" --prompt-period 8
   lat ngram "$b" --prompt-period 8 --speculative-config "{\"method\": \"ngram\", \"num_speculative_tokens\": $SPEC_K}"
 done
+if [ "$MTP" = 1 ]; then
+  DS=/tmp/spec-deepseek-v3-4l
+  $PY -c "from pagoda.bench.shapes import write_shape; write_shape('deepseek-v3-4l', '$DS')" >>"$LOG" 2>&1
+  MODEL_DIR=$DS lat ds-plain 1 --load-format dummy
+  MODEL_DIR=$DS lat ds-mtp 1 --load-format dummy --speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'
+fi
 
 $PY - "$OUT" <<'PYEOF' | tee "$OUT/summary.txt"
 import json, sys
