@@ -67,7 +67,8 @@ class LLMEngine:
         self.runner = create_executor(config, self.source, self.hf_config, self.platform, dtype)
         # speculative decoding (pagoda.speculative): a draft model takes its share of the memory first
         self.speculative = create_speculative_decoder(self) if config.speculative_config else None
-        num_blocks = self.runner.allocate_kv_cache(self.speculative.target_kv_blocks() if self.speculative else None)
+        num_blocks = (self.runner.allocate_kv_cache(self.speculative.target_kv_blocks()) if self.speculative
+                      else self.runner.allocate_kv_cache())
         self.step_budget = choose_step_budget(config, self.platform, self.runner.model)
         step_tokens = max(self.step_budget.tokens, self.step_budget.idle_tokens or 0)  # the largest chunk
         windows = self.runner.kv_layout.windows
