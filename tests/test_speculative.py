@@ -226,3 +226,30 @@ def test_cli_flag_and_metrics(target):
     spec = stats["speculative"]
     assert f"pagoda_spec_decode_num_draft_tokens_total {float(spec['draft_tokens'])}" in text
     assert 'pagoda_spec_decode_per_position_acceptance{position="1"}' in text
+
+
+def test_server_streams_verified_tokens_and_reports_them(target):
+    import json
+
+    import httpx
+    from pagoda.config import EngineConfig
+    from pagoda.server import ServerConfig, ServerThread, build_app
+
+    engine = EngineConfig(model=str(target), device="cpu", dtype="float32", num_kv_blocks=64, block_size=BLOCK,
+                          speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    plain = make(target).generate([[5, 6, 7, 8, 9] * 5], SamplingParams(temperature=0, max_tokens=16,
+                                                                         ignore_eos=True))[0].outputs[0].text
+    body = {"prompt": [5, 6, 7, 8, 9] * 5, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    with ServerThread(build_app(engine, ServerConfig())) as srv:
+        whole = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()
+        chunks = []
+        with httpx.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks += [c["text"] for c in json.loads(line[6:])["choices"]]
+        metrics = httpx.get(srv.url + "/metrics").text
+    assert whole["choices"][0]["text"] == "".join(chunks) == plain
+    assert whole["usage"]["completion_tokens"] == 16
+    drafted = next(float(line.split()[-1]) for line in metrics.splitlines()
+                   if line.startswith("pagoda_spec_decode_num_draft_tokens_total"))
+    assert drafted > 0
