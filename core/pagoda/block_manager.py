@@ -241,6 +241,16 @@ class BlockManager:
                 table.append(block)
         return True
 
+    def trim_slots(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks past the ones ``num_tokens`` tokens need (speculative decoding: the
+        slots of rejected draft tokens). Such blocks hold no computed full block, so none is cached."""
+        keep = self.blocks_needed(num_tokens)
+        for table in self.tables(seq):
+            while len(table) > keep:
+                block = table.pop()
+                if block != NULL_BLOCK:
+                    self._release(block)
+
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks; cached ones become evictable, tail first."""
         for table in self.tables(seq):

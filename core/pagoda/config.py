@@ -91,6 +91,10 @@ class EngineConfig(BaseModel):
     skip_tokenizer_init: bool = Field(False, description="token ids in, token ids out")
     load_format: Literal["auto", "dummy"] = Field("auto", description="dummy: random weights of the "
                                                   "model's shapes (benchmarks)")
+    speculative_config: dict | None = Field(None, description="speculative decoding (docs/speculative.md), "
+                                            "vLLM's keys: {method: ngram, num_speculative_tokens: 3, "
+                                            "prompt_lookup_max: 3, prompt_lookup_min: 1}, {method: draft_model, "
+                                            "model: PATH, num_speculative_tokens: 3} or {method: mtp} (DeepSeek-V3)")
 
     @model_validator(mode="before")
     @classmethod
@@ -108,6 +112,17 @@ class EngineConfig(BaseModel):
         if v in DTYPES or _split_device_dtype(v) is not None:
             return v
         raise ValueError(f"must be one of {', '.join(DTYPES)} (or <device>-<dtype>, e.g. cuda-bfloat16)")
+
+    @field_validator("speculative_config")
+    @classmethod
+    def _speculative(cls, v: dict | None) -> dict | None:
+        from pagoda.speculative.config import parse_speculative_config
+
+        try:
+            parse_speculative_config(v)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        return v
 
     @field_validator("kv_cache_dtype")
     @classmethod

@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from pagoda.speculative.stats import speculative_lines
+
 SCHEMA = "pagoda.bench.latency/1"
 
 
@@ -31,6 +33,9 @@ def add_parser(sub) -> None:
     p.add_argument("--num-iters-warmup", type=int, default=1)
     p.add_argument("--num-iters", type=int, default=3)
     p.add_argument("--prompt-seed", type=int, default=0)
+    p.add_argument("--prompt-period", type=int, default=None, metavar="N",
+                   help="repetitive prompts: N random tokens repeated up to --input-len (a workload where n-gram "
+                   "speculative decoding finds its drafts; default: random prompts)")
     p.add_argument("--baseline", action="append", choices=["llama.cpp", "hf"], default=None,
                    help="also run llama.cpp (llama-cpp-python; .gguf models) or HF transformers on the same "
                    "prompts (repeat for both)")
@@ -65,8 +70,13 @@ def run(args) -> int:
     from pagoda import LLM, __version__
     from pagoda.bench.baselines import latency_summary
     from pagoda.bench.serve import percentiles
-    from pagoda.bench.throughput import _prompts
+    from pagoda.bench.throughput import _prompts as random_prompts
     from pagoda.cli.engine_args import engine_config_from_args
+    from pagoda.speculative.stats import repeated_prompts
+
+    def _prompts(num, length, vocab, seed):
+        prompts = random_prompts(num, length, vocab, seed)
+        return prompts if args.prompt_period is None else repeated_prompts(prompts, args.prompt_period)
 
     extra = {}
     if args.max_model_len is None:
@@ -98,6 +108,7 @@ def run(args) -> int:
         "batch_latency_s": {"runs": batch_seconds, **percentiles(batch_seconds)},
         "requests_ms": latency_summary(token_times),
         "output_tok_s": args.batch_size * args.output_len * len(batch_seconds) / sum(batch_seconds),
+        "speculative": llm.get_stats().get("speculative"),
         "baselines": {},
     }
     print("\n".join(format_latency(result)), flush=True)
@@ -154,7 +165,7 @@ def format_latency(res: dict) -> list[str]:
         f"  itl ms           {_ms(r['itl'])}",
         f"  e2e ms           {_ms(r['e2e'])}",
         f"  output tok/s     {res['output_tok_s']:,.1f}",
-    ]
+    ] + speculative_lines(res.get("speculative"))
 
 
 def format_baseline(name: str, res: dict) -> str:

@@ -211,6 +211,7 @@ def run(args) -> int:
             "fraction_of_bound": best["output_tok_s"] / floor["bound_output_tok_s"],
             "profile": profile,
             "baseline": None,
+            "speculative": stats.get("speculative"),
         }
         print("\n".join(format_result(result)), flush=True)
         _write(result, args.json_path)
@@ -318,6 +319,9 @@ def format_result(res: dict) -> list[str]:
                                                                   else ""))
     if best["num_preemptions"]:
         lines.append(f"  preemptions      {best['num_preemptions']}")
+    from pagoda.speculative.stats import speculative_lines
+
+    lines += speculative_lines(res.get("speculative"))
     if res["profile"]:
         from pagoda.bench.profile import format_profile
 

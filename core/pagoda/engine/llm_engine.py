@@ -27,6 +27,7 @@ from pagoda.sampling_params import SamplingParams
 from pagoda.scheduler import Scheduler
 from pagoda.selection import select_platform
 from pagoda.sequence import Request, Sequence, SequenceStatus
+from pagoda.speculative.decoder import create_speculative_decoder
 from pagoda.tokenizer import load_tokenizer, tokenizer_location
 
 logger = logging.getLogger("pagoda")
@@ -64,7 +65,10 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         # one device: a ModelRunner; tensor_parallel_size > 1 or torchrun: rank 0's executor
         self.runner = create_executor(config, self.source, self.hf_config, self.platform, dtype)
-        num_blocks = self.runner.allocate_kv_cache()
+        # speculative decoding (pagoda.speculative): a draft model takes its share of the memory first
+        self.speculative = create_speculative_decoder(self) if config.speculative_config else None
+        num_blocks = (self.runner.allocate_kv_cache(self.speculative.target_kv_blocks()) if self.speculative
+                      else self.runner.allocate_kv_cache())
         self.step_budget = choose_step_budget(config, self.platform, self.runner.model)
         step_tokens = max(self.step_budget.tokens, self.step_budget.idle_tokens or 0)  # the largest chunk
         windows = self.runner.kv_layout.windows
@@ -85,7 +89,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching, windows)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.step_budget.tokens, self.max_model_len,
                                    idle_step_tokens=self.step_budget.idle_tokens)
-        self.runner.capture_graphs(config.max_num_seqs, self.max_model_len)
+        graph_batch = self.speculative.graph_batch_size(config.max_num_seqs) if self.speculative else None
+        self.runner.capture_graphs(graph_batch or config.max_num_seqs, self.max_model_len)
         # offline steps launched ahead of the host work: every step on one CUDA device
         # (pagoda.engine.pipeline), decode steps of a tensor-parallel engine (pagoda.engine.lookahead)
         self.pipeline: StepPipeline | None = None
@@ -95,6 +100,8 @@ class LLMEngine:
                 self.pipeline = StepPipeline(self)
         elif getattr(self.runner, "graphs", None) is not None:
             self.lookahead = DecodeLookahead(self)
+        if self.speculative is not None:  # verification steps run one at a time
+            self.pipeline = self.lookahead = None
         self.eos_token_ids = self._eos_ids()
         self.controls = RequestControls(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids, config)
         sampler = self.runner.sampler
@@ -207,6 +214,10 @@ class LLMEngine:
         if out.is_empty:
             return []
         self._mark_scheduled(out)
+        if self.speculative is not None:
+            outputs = self.speculative.step(out, finished_only, t0, t1)
+            if outputs is not None:  # (None: nothing was drafted, a plain step)
+                return outputs
         result = self.runner.execute(out)
         if result.prompt_logprobs:
             self.controls.record_prompt_logprobs(self.requests, {it.seq.seq_id: it.seq for it in out.scheduled},
@@ -376,6 +387,8 @@ class LLMEngine:
         }
         from pagoda.engine.expert_stats import expert_load_summary
 
+        if self.speculative is not None:
+            stats["speculative"] = self.speculative.stats.as_dict()
         experts = expert_load_summary(self.runner.expert_counts)
         if experts:
             stats["expert_load"] = experts

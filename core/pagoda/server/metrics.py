@@ -65,6 +65,7 @@ class EngineCollector:
                                       "filled", value=float(masks["mask_rows"]))
             yield CounterMetricFamily("pagoda_grammar_mask_seconds", "host seconds spent filling "
                                       "grammar masks", value=float(masks["mask_seconds"]))
+        yield from speculative_families(stats.get("speculative"))
         experts = stats.get("expert_load")
         if experts:
             load = CounterMetricFamily("pagoda_expert_tokens", "tokens routed to each expert of each MoE "
@@ -118,3 +119,24 @@ class ServerMetrics:
     def render(self, stats: dict[str, Any]) -> bytes:
         self.engine.stats = stats
         return generate_latest(self.registry)
+
+
+def speculative_families(spec: dict | None):
+    """Speculative decoding metrics (``get_stats()["speculative"]``), as vLLM names them."""
+    if not spec:
+        return
+    yield CounterMetricFamily("pagoda_spec_decode_num_drafts", "verifications of drafted tokens (one per "
+                              "sequence and step)", value=float(spec["num_drafts"]))
+    yield CounterMetricFamily("pagoda_spec_decode_num_draft_tokens", "drafted tokens verified by the target",
+                              value=float(spec["draft_tokens"]))
+    yield CounterMetricFamily("pagoda_spec_decode_num_accepted_tokens", "drafted tokens accepted",
+                              value=float(spec["accepted_tokens"]))
+    yield GaugeMetricFamily("pagoda_spec_decode_acceptance_rate", "accepted / drafted tokens",
+                            value=float(spec["acceptance_rate"]))
+    yield GaugeMetricFamily("pagoda_spec_decode_mean_accepted_length", "tokens one verification yields (kept "
+                            "drafts plus the target's token)", value=float(spec["mean_accepted_length"]))
+    per = GaugeMetricFamily("pagoda_spec_decode_per_position_acceptance", "share of tokens drafted at each "
+                            "position that were accepted", labels=["position"])
+    for i, rate in enumerate(spec["per_position_acceptance"]):
+        per.add_metric([str(i)], float(rate))
+    yield per

@@ -19,7 +19,8 @@ routing is sigmoid grouped top-k (``n_group``, ``topk_group``, ``num_experts_per
 run through ``FusedMoE`` and ``n_shared_experts`` shared experts are added.
 
 The multi-token-prediction layers that real checkpoints carry
-(``model.layers.{num_hidden_layers}...``) are skipped on load.
+(``model.layers.{num_hidden_layers}...``) are skipped on load; speculative decoding method "mtp"
+loads them as their own model (``pagoda_models.deepseek_mtp``).
 """
 
 from __future__ import annotations
@@ -166,12 +167,14 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     FEATURES = ("MLA with/without q_lora_rank, latent KV cache (kv_lora_rank + qk_rope_head_dim per token), "
                 "absorbed decode; YaRN with mscale, rope_interleave; sigmoid grouped top-k with "
                 "e_score_correction_bias, routed_scaling_factor, float32 router; shared experts; "
-                "first_k_dense_replace; MTP layers skipped on load")
+                "first_k_dense_replace; MTP layers skipped on load (speculative method mtp loads them: "
+                "DeepSeekMTPModel)")
     TESTED = ("prompt logits (fp32) and 32+ greedy tokens with chunked prefill and preemption; q_lora on/off, "
               "n_group > 1 with a correction bias, YaRN with mscale, interleaved and plain rope, MTP tensors in "
               "the checkpoint; cache bytes per token; expert counts vs the HF router's choices "
               "(tests/test_models_deepseek.py)")
     decoder_layer = DeepseekV3DecoderLayer
+    mtp_architecture = "DeepSeekMTPModel"  # what speculative method mtp loads from the skipped MTP layers
 
     def load_weights(self, weights) -> set[str]:
         tied = getattr(self.config, "tie_word_embeddings", False)

@@ -114,6 +114,7 @@ class DeepseekV32DecoderLayer(DeepseekV3DecoderLayer):
 
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    mtp_architecture = None  # (its MTP layer has an indexer: not loaded yet)
     FEATURES = ("DeepSeek-V3 plus DeepSeek Sparse Attention: a lightning indexer per layer (half-split rotary, "
                 "LayerNorm key, float32 head weights) picks index_topk cached tokens per query, MLA over those only; "
                 "index keys cached next to the latent (L + R + index_head_dim per token); mlp_layer_types")

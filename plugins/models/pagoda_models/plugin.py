@@ -12,6 +12,7 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "pagoda_models.qwen3_moe:Qwen3MoeForCausalLM",
     "DeepseekV3ForCausalLM": "pagoda_models.deepseek_v3:DeepseekV3ForCausalLM",
     "DeepseekV32ForCausalLM": "pagoda_models.deepseek_v32:DeepseekV32ForCausalLM",
+    "DeepSeekMTPModel": "pagoda_models.deepseek_mtp:DeepSeekMTPModel",  # the drafter of speculative method mtp
     "Gemma2ForCausalLM": "pagoda_models.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "pagoda_models.gemma3:Gemma3ForCausalLM",
     "MixtralForCausalLM": "pagoda_models.mixtral:MixtralForCausalLM",
