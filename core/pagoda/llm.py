@@ -68,13 +68,15 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
+        from pagoda.multimodal.prompts import chat_prompt
         from pagoda.tokenizer import apply_chat_template
 
-        from pagoda.multimodal.prompts import chat_prompt
-
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [chat_prompt(self.engine, conv, lambda c: apply_chat_template(self.tokenizer, c, add_generation_prompt))
-                   for conv in conversations]  # token ids, or {"prompt_token_ids", "multi_modal_data"} with images
+        def render(conv: list[dict]) -> str:
+            return apply_chat_template(self.tokenizer, conv, add_generation_prompt)
+
+        # token ids, or {"prompt_token_ids", "multi_modal_data"} when a conversation has images
+        prompts = [chat_prompt(self.engine, conv, render) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool = False) -> list[RequestOutput]:

@@ -50,10 +50,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     for length, starts in by_len.items():
         idx = (torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)).reshape(-1)
 
-        def gather(x: torch.Tensor) -> torch.Tensor:  # [n*L, H, D] -> [n, H, L, D]
-            return x.index_select(0, idx).view(len(starts), length, *x.shape[1:]).transpose(1, 2)
-
-        o = F.scaled_dot_product_attention(gather(q), gather(k), gather(v), scale=scale)
+        shape = (len(starts), length, *q.shape[1:])  # [n, L, H, D] -> SDPA's [n, H, L, D]
+        qs, ks, vs = (x.index_select(0, idx).view(shape).transpose(1, 2) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
         out.index_copy_(0, idx, o.transpose(1, 2).reshape(-1, *q.shape[1:]))
     return out
 

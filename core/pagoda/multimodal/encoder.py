@@ -93,7 +93,7 @@ class MultiModalStep:
             return
         self._encode_missing(wanted)
         rows, embeds = [], []
-        for seq, im, row, first, count in wanted:
+        for _, im, row, first, count in wanted:
             rows.append(np.arange(row, row + count))
             embeds.append(self.cache.entries[im.hash][first:first + count])
         inputs.model_kwargs["image_embeds"] = (upload(np.concatenate(rows), self.device), torch.cat(embeds))

@@ -43,10 +43,11 @@ def prepare_prompts(engine, prompts: list) -> list[tuple[Any, dict]]:
         done[i] = engine.process_multimodal(ids, images, f"prompts[{i}]")
     elif jobs:
         with ThreadPoolExecutor(max_workers=min(4, len(jobs))) as pool:
-            futures = {i: pool.submit(engine.process_multimodal, ids, images, f"prompts[{i}]") for i, ids, images in jobs}
+            futures = {i: pool.submit(engine.process_multimodal, ids, images, f"prompts[{i}]")
+                       for i, ids, images in jobs}
             done = {i: f.result() for i, f in futures.items()}
     out = []
-    for i, (prompt, ids, _) in enumerate(split):
+    for i, (prompt, _, _) in enumerate(split):
         if i in done:
             out.append((prompt, {"prompt_token_ids": done[i].prompt_token_ids, "mm_inputs": done[i]}))
         else:

@@ -29,8 +29,9 @@ QWEN2_5_VL_3B = dict(
 
 def save_vision_tokenizer(directory: Path, vocab_size: int) -> dict[str, int]:
     """The byte tokenizer plus the vision special tokens; returns their ids."""
-    from pagoda.testing.reference import save_byte_tokenizer
     from transformers import AutoTokenizer
+
+    from pagoda.testing.reference import save_byte_tokenizer
 
     save_byte_tokenizer(directory, vocab_size)
     tok = AutoTokenizer.from_pretrained(str(directory))
@@ -85,8 +86,9 @@ def write_qwen2_5_vl_3b_config(directory: str | Path) -> Path:
     config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
     config.save_pretrained(str(directory))
     Qwen2VLImageProcessorPil().save_pretrained(str(directory))
-    from pagoda.testing.reference import save_byte_tokenizer
     from transformers import AutoTokenizer
+
+    from pagoda.testing.reference import save_byte_tokenizer
 
     save_byte_tokenizer(directory, 151936)
     tok = AutoTokenizer.from_pretrained(str(directory))
