@@ -111,3 +111,26 @@ def random_image(width: int, height: int, seed: int = 0):
 
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def hf_greedy(model, directory: str | Path, token_ids: list[int], images: list, max_new_tokens: int) -> list[int]:
+    """transformers' greedy tokens for a prompt whose image placeholders (one token each) are
+    expanded here as the processor says, with EOS ignored."""
+    import torch
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    cfg = model.config
+    kwargs = {}
+    ids = list(token_ids)
+    if images:
+        processor = Qwen2VLImageProcessorPil.from_pretrained(str(directory))
+        out = processor(images=list(images), return_tensors="pt")
+        counts = iter((out["image_grid_thw"].prod(-1) // cfg.vision_config.spatial_merge_size ** 2).tolist())
+        ids = [t for tok in token_ids for t in ([tok] * next(counts) if tok == cfg.image_token_id else [tok])]
+        kwargs = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+    inp = torch.tensor([ids])
+    kwargs["mm_token_type_ids"] = (inp == cfg.image_token_id).int()
+    with torch.no_grad():
+        generated = model.generate(input_ids=inp, attention_mask=torch.ones_like(inp), max_new_tokens=max_new_tokens,
+                                   min_new_tokens=max_new_tokens, do_sample=False, **kwargs)
+    return generated[0, inp.shape[1]:].tolist()
