@@ -3,7 +3,6 @@ random images, for tests and benchmarks of multimodal serving."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
@@ -12,20 +11,6 @@ CHAT_TEMPLATE = (
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
     "{% if part['type'] == 'text' %}{{ part['text'] }}{% else %}<|vision_start|><|image_pad|><|vision_end|>"
     "{% endif %}{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}<s>assistant: {% endif %}")
-
-# Qwen2.5-VL-3B-Instruct's shape (config.json of the published checkpoint)
-QWEN2_5_VL_3B = dict(
-    text=dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
-              num_attention_heads=16, num_key_value_heads=2, max_position_embeddings=128000, rms_norm_eps=1e-6,
-              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
-              tie_word_embeddings=True),
-    vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
-                patch_size=14, spatial_merge_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31],
-                temporal_patch_size=2, tokens_per_second=2),
-    tokens=dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
-                vision_end_token_id=151653),
-)
-
 
 def save_vision_tokenizer(directory: Path, vocab_size: int) -> dict[str, int]:
     """The byte tokenizer plus the vision special tokens; returns their ids."""
@@ -70,39 +55,6 @@ def make_tiny_qwen2_5_vl(directory: str | Path, seed: int = 0, window_size: int 
     model.save_pretrained(str(directory))
     Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=max_pixels).save_pretrained(str(directory))
     return model
-
-
-def write_qwen2_5_vl_3b_config(directory: str | Path) -> Path:
-    """config.json, preprocessor config and a byte tokenizer of Qwen2.5-VL-3B's shape, for
-    ``load_format: dummy`` (random weights)."""
-    from transformers import Qwen2_5_VLConfig
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    shape = QWEN2_5_VL_3B
-    config = Qwen2_5_VLConfig(text_config=dict(shape["text"], bos_token_id=0, eos_token_id=1),
-                              vision_config=shape["vision"], tie_word_embeddings=True, **shape["tokens"])
-    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
-    config.save_pretrained(str(directory))
-    Qwen2VLImageProcessorPil().save_pretrained(str(directory))
-    from transformers import AutoTokenizer
-
-    from pagoda.testing.reference import save_byte_tokenizer
-
-    save_byte_tokenizer(directory, 151936)
-    tok = AutoTokenizer.from_pretrained(str(directory))
-    vocab = tok.get_vocab()
-    extra = {tok: shape["tokens"][key] for tok, key in zip(VISION_TOKENS, ("vision_start_token_id", "image_token_id",
-                                                                         "vision_end_token_id", "video_token_id"))}
-    tj = json.loads((directory / "tokenizer.json").read_text())
-    for text, i in extra.items():
-        tj["added_tokens"].append({"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
-                                   "normalized": False, "special": True})
-        tj["model"]["vocab"][text] = i
-    del vocab
-    (directory / "tokenizer.json").write_text(json.dumps(tj))
-    return directory
 
 
 def random_image(width: int, height: int, seed: int = 0):
