@@ -126,3 +126,20 @@ def test_text_only_model_says_it_takes_no_images(tmp_path):
         llm.chat([{"role": "user", "content": [{"type": "text", "text": "hi"},
                                                {"type": "image_pil", "image_pil": random_image(28, 28)}]}])
     assert err.value.field == "messages[0].content[1]"
+
+
+def test_bench_throughput_image_workload(tiny, tmp_path, capsys):
+    import json
+
+    from pagoda.cli.main import main
+
+    directory = tiny[0]
+    out = tmp_path / "bench.json"
+    assert main(["bench", "throughput", "--model", str(directory), "--device", "cpu", "--dtype", "float32",
+                 "--num-prompts", "3", "--input-len", "8", "--output-len", "4", "--ignore-eos", "--repeats", "1",
+                 "--warmup-prompts", "0", "--images-per-prompt", "2", "--image-size", "64x48",
+                 "--bandwidth-gbs", "10", "--matmul-tflops", "0.1", "--json", str(out)]) == 0
+    assert "images/s" in capsys.readouterr().out
+    best = json.loads(out.read_text())["best"]
+    assert best["images"] == 6 and best["images_per_s"] > 0 and best["output_tokens"] == 12
+    assert best["input_tokens"] > 3 * (8 + 2)  # the images' tokens are input tokens

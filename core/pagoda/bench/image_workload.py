@@ -24,6 +24,14 @@ def image_size(text: str) -> tuple[int, int]:
     return w, h
 
 
+def image_tokens_bound(size: str) -> int:
+    """At most how many tokens one image of ``size`` takes (the context the workload needs): Qwen2-VL's
+    processor rounds each side to a multiple of 28 pixels, one token per 28x28 (at least 4), and the
+    vision start/end tokens around them."""
+    w, h = image_size(size)
+    return max(4, -(-w // 28) * -(-h // 28)) + 2
+
+
 def image_prompts(engine, token_prompts: list[list[int]], images_per_prompt: int, size: str, seed: int) -> list[dict]:
     """The token prompts with ``images_per_prompt`` placeholders and random images in front."""
     import numpy as np
@@ -38,6 +46,8 @@ def image_prompts(engine, token_prompts: list[list[int]], images_per_prompt: int
     out = []
     for tokens in token_prompts:
         images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for _ in range(images_per_prompt)]
-        out.append({"prompt_token_ids": [proc.placeholder_token_id] * images_per_prompt + list(tokens),
+        placeholder = proc.placeholder_token_id
+        text = [t - 1 if t == placeholder else t for t in tokens]  # a random token is never a placeholder
+        out.append({"prompt_token_ids": [placeholder] * images_per_prompt + text,
                     "multi_modal_data": {"image": images}})
     return out

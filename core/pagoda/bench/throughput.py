@@ -131,7 +131,10 @@ def _build_config(args, tmp: str):
         extra = dict(model=str(write_shape(args.shape, Path(tmp) / args.shape)), load_format="dummy",
                      skip_tokenizer_init=True)
     if args.max_model_len is None:
-        extra["max_model_len"] = args.input_len + args.output_len
+        from pagoda.bench.image_workload import image_tokens_bound
+
+        extra["max_model_len"] = args.input_len + args.output_len + \
+            args.images_per_prompt * image_tokens_bound(args.image_size)
     return engine_config_from_args(args, **extra)
 
 
