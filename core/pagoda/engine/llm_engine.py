@@ -134,6 +134,9 @@ class LLMEngine:
         model = getattr(self.runner, "model", None)
         if model is None or not supports_multimodal(model):
             return None
+        if not isinstance(self.runner, ModelRunner):  # the workers would not see the images
+            raise ConfigError(f"{type(model).__name__} takes images, which run on one device for now: set "
+                              f"tensor_parallel_size to 1 (docs/multimodal.md)")
         from pagoda.multimodal.processor import MultiModalProcessor
 
         return MultiModalProcessor(model, str(self.source.path) if self.source.kind != "gguf" else None, self.config)
