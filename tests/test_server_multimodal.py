@@ -82,6 +82,7 @@ def test_bad_image_parts_are_400_naming_the_part(setup, part, param, needle):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and needle in error["message"] and param in error["message"]
+    assert error["code"] == "invalid_image"
 
 
 def test_too_many_images_is_400(setup):

@@ -13,10 +13,12 @@ from pagoda.multimodal.fetch import FetchPolicy
 
 
 def _named(exc: RequestError) -> RequestError:
+    """The error with its field in the message and the documented code ``invalid_image``
+    (``pagoda.server.openapi.SEMANTIC_400_CODES``)."""
     text = str(exc)
     if exc.field and not text.startswith(exc.field):
         text = f"{exc.field}: {text}"
-    return RequestError(text, field=exc.field, code=exc.code)
+    return RequestError(text, field=exc.field, code=exc.code or "invalid_image")
 
 
 def fetch_policy(config) -> FetchPolicy:
