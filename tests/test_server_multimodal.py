@@ -64,6 +64,12 @@ def test_ollama_images(setup):
     want = expected_text(directory, hf, f"<s>user: {IMAGE}what\n<s>assistant: ", [image])
     got = reply["message"]["content"]
     assert got and want.startswith(got)  # (Ollama has no ignore_eos: the reply may end early at EOS)
+    body["messages"][0]["images"].append(base64.b64encode(b"not an image").decode())
+    r = httpx.post(srv.url + "/api/chat", json=body, timeout=60)
+    assert r.status_code == 400 and "messages[0].images[1]" in r.json()["error"]
+    r = httpx.post(srv.url + "/api/generate", timeout=60, json={"model": "tiny-vl", "prompt": "x", "stream": False,
+                                                                "images": ["%%%"]})
+    assert r.status_code == 400 and r.json()["error"].startswith("images[0]:")
 
 
 @pytest.mark.parametrize("part, param, needle", [

@@ -12,13 +12,25 @@ from pagoda.multimodal.chat import has_images, split_image_parts
 from pagoda.multimodal.fetch import FetchPolicy
 
 
-def _named(exc: RequestError) -> RequestError:
-    """The error with its field in the message and the documented code ``invalid_image``
-    (``pagoda.server.openapi.SEMANTIC_400_CODES``)."""
+def _named(exc: RequestError, rename=None) -> RequestError:
+    """The error with its field (``rename``d: Ollama's ``images``) in the message and the documented
+    code ``invalid_image`` (``pagoda.server.openapi.SEMANTIC_400_CODES``)."""
+    field = rename(exc.field) if rename is not None and exc.field else exc.field
     text = str(exc)
-    if exc.field and not text.startswith(exc.field):
-        text = f"{exc.field}: {text}"
-    return RequestError(text, field=exc.field, code=exc.code or "invalid_image")
+    if field and not text.startswith(field):
+        text = f"{field}: {text}"
+    return RequestError(text, field=field, code=exc.code or "invalid_image")
+
+
+def ollama_field(prefix: str | None = None):
+    """``messages[i].content[k]`` -> ``messages[i].images[k]`` (the images come first in the parts), or
+    ``{prefix}[k]`` for /api/generate's top-level ``images``."""
+    def rename(field: str) -> str:
+        head, sep, tail = field.partition(".content[")
+        if not sep:
+            return field
+        return f"{prefix}[{tail}" if prefix else f"{head}.images[{tail}"
+    return rename
 
 
 def fetch_policy(config) -> FetchPolicy:
@@ -26,7 +38,7 @@ def fetch_policy(config) -> FetchPolicy:
                        max_bytes=config.media_max_bytes)
 
 
-async def take_images(fe, messages: list[dict]) -> tuple[list[dict], list[tuple[Any, str]]]:
+async def take_images(fe, messages: list[dict], rename=None) -> tuple[list[dict], list[tuple[Any, str]]]:
     """(messages with the model's placeholder text where their images were, [(image, field)])."""
     if not has_images(messages):
         return messages, []
@@ -35,7 +47,7 @@ async def take_images(fe, messages: list[dict]) -> tuple[list[dict], list[tuple[
         return await asyncio.to_thread(split_image_parts, messages, proc.placeholder_text if proc else None,
                                        fetch_policy(fe.config))
     except RequestError as exc:
-        raise _named(exc) from None
+        raise _named(exc, rename) from None
 
 
 async def process_images(fe, ids: list[int], images: list[tuple[Any, str]], prompt_param: str):

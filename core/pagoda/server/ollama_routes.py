@@ -23,7 +23,7 @@ from pagoda.server.chat_output import ChatOutput
 from pagoda.server.errors import APIError, to_api_error
 from pagoda.server.formatting import DeltaTracker
 from pagoda.server.frontend import ClientDisconnected, Frontend, RequestStreamingResponse
-from pagoda.server.media import ollama_image_parts, process_images, take_images
+from pagoda.server.media import ollama_field, ollama_image_parts, process_images, take_images
 from pagoda.server.ollama_protocol import OllamaBase, OllamaChatRequest, OllamaGenerateRequest, OllamaShowRequest
 from pagoda.server.openapi import BODY_ERRORS, GENERATION_ERRORS, READ_ERRORS, error_responses, json_or_stream
 from pagoda.server.responses import (
@@ -92,7 +92,7 @@ async def generate(body: OllamaGenerateRequest, request: Request) -> Response:
     else:
         messages = ([{"role": "system", "content": body.system}] if body.system else [])
         messages.append({"role": "user", "content": ollama_image_parts(body.images, body.prompt)})
-        messages, images = await take_images(fe, messages)
+        messages, images = await take_images(fe, messages, ollama_field("images"))
         text, ids = fe.chat_prompt_ids(messages, param="prompt", chat_template_kwargs=body.template_kwargs())
     ids = list(body.context or []) + ids
     mm_inputs = await process_images(fe, ids, ollama_images(body.images, "images", images), "prompt")
@@ -109,10 +109,10 @@ async def chat(body: OllamaChatRequest, request: Request) -> Response:
     fe = frontend(request)
     fe.check_request(body)
     tools = [t.model_dump() for t in body.tools] if body.tools else None
-    messages, images = await take_images(fe, [m.for_template() for m in body.messages])
+    messages, images = await take_images(fe, [m.for_template() for m in body.messages], ollama_field())
     text, ids = fe.chat_prompt_ids(messages, tools=tools, chat_template_kwargs=body.template_kwargs())
-    mm_inputs = await process_images(fe, ids, [(im, f"messages[{_message_index(where)}].images[{k}]")
-                                               for k, (im, where) in enumerate(images)], "messages")
+    rename = ollama_field()
+    mm_inputs = await process_images(fe, ids, [(im, rename(where)) for im, where in images], "messages")
     output = ChatOutput(fe.tokenizer, fe.reasoning_parser, fe.tool_parser if tools else None, tools, False, text)
     stream = await submit(fe, body, ids if mm_inputs is None else mm_inputs.prompt_token_ids, text, output,
                           "messages", mm_inputs)
@@ -149,10 +149,6 @@ async def ps(request: Request) -> dict:
 def model_details(info: dict) -> dict:
     return {"format": info["format"], "family": info["family"], "families": [info["family"]],
             "parameter_size": info["parameter_size"], "quantization_level": ""}
-
-
-def _message_index(field: str) -> str:
-    return field.split("[", 1)[1].split("]", 1)[0]
 
 
 def ollama_images(raw: list[str] | None, field: str, taken: list) -> list:
