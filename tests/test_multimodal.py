@@ -143,3 +143,22 @@ def test_bench_throughput_image_workload(tiny, tmp_path, capsys):
     best = json.loads(out.read_text())["best"]
     assert best["images"] == 6 and best["images_per_s"] > 0 and best["output_tokens"] == 12
     assert best["input_tokens"] > 3 * (8 + 2)  # the images' tokens are input tokens
+
+
+def test_cli_generate_with_image(tiny, tmp_path, capsys):
+    import json
+
+    from pagoda.cli.main import main
+
+    directory, hf, images = tiny
+    path = tmp_path / "a.png"
+    images["a"].save(path)
+    assert main(["generate", "--model", str(directory), "--device", "cpu", "--dtype", "float32", "--chat",
+                 "--image", str(path), "--prompt", "what", "--max-tokens", str(MAX_TOKENS), "--ignore-eos",
+                 "--json"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["outputs"][0]["token_ids"]
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(directory)).encode(f"<s>user: {IMAGE}what\n<s>assistant: ",
+                                                              add_special_tokens=False)
+    assert got == hf_greedy(hf, directory, ids, [images["a"]], MAX_TOKENS)
