@@ -162,3 +162,29 @@ def test_cli_generate_with_image(tiny, tmp_path, capsys):
     ids = AutoTokenizer.from_pretrained(str(directory)).encode(f"<s>user: {IMAGE}what\n<s>assistant: ",
                                                               add_special_tokens=False)
     assert got == hf_greedy(hf, directory, ids, [images["a"]], MAX_TOKENS)
+
+
+def test_fetch_http_image_with_limits(tmp_path):
+    import functools
+    import http.server
+    import threading
+
+    from pagoda.multimodal.fetch import FetchPolicy, fetch_image_bytes
+
+    random_image(40, 30).save(tmp_path / "a.png")
+    data = (tmp_path / "a.png").read_bytes()
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *a, **k: None
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        assert fetch_image_bytes(url + "/a.png", "f") == data
+        with pytest.raises(RequestError, match="larger than media_max_bytes"):
+            fetch_image_bytes(url + "/a.png", "f", FetchPolicy(max_bytes=len(data) - 1))
+        with pytest.raises(RequestError, match="HTTP 404"):
+            fetch_image_bytes(url + "/missing.png", "f")
+        with pytest.raises(RequestError, match="media_fetch is off"):
+            fetch_image_bytes(url + "/a.png", "f", FetchPolicy(allow_http=False))
+    finally:
+        httpd.shutdown()
