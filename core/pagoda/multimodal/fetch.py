@@ -46,8 +46,11 @@ def fetch_image_bytes(url: str, field: str, policy: FetchPolicy = FetchPolicy())
     if not policy.allow_http:
         raise RequestError("this server does not fetch image URLs (media_fetch is off): send the image as a "
                            "data: URL", field=field)
-    import httpx
-
+    try:
+        import httpx
+    except ImportError:
+        raise RequestError("fetching image URLs needs httpx, which is not installed here (pip install "
+                           "'pagoda-core[vision]'); send a data: URL", field=field) from None
     try:
         with httpx.stream("GET", url, timeout=policy.timeout, follow_redirects=True) as response:
             if response.status_code != 200:

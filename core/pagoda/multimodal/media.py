@@ -9,12 +9,21 @@ import hashlib
 import io
 from typing import Any
 
-from pagoda.errors import RequestError
+from pagoda.errors import ConfigError, RequestError
+
+
+def require_pillow() -> None:
+    """Images are decoded with Pillow, an optional dependency."""
+    try:
+        import PIL  # noqa: F401
+    except ImportError:
+        raise ConfigError("images need Pillow, which is not installed: pip install 'pagoda-core[vision]'") from None
 
 
 def open_image(data: Any, field: str, max_pixels: int | None = None):
     """A PIL image (RGB) from a PIL image, bytes, or base64 text; a RequestError naming ``field`` when
     it is not a decodable image or has more than ``max_pixels`` pixels."""
+    require_pillow()
     from PIL import Image
 
     if isinstance(data, Image.Image):

@@ -9,13 +9,14 @@ from typing import Any
 
 from pagoda.errors import RequestError
 from pagoda.multimodal.inputs import MultiModalInputs, PlacedImage
-from pagoda.multimodal.media import image_hash, open_image
+from pagoda.multimodal.media import image_hash, open_image, require_pillow
 
 DEFAULT_IMAGE_LIMIT = 8
 
 
 class MultiModalProcessor:
     def __init__(self, model, model_dir: str | None, config):
+        require_pillow()
         self.model = model
         self.placeholder_token_id = int(model.placeholder_token_id)
         self.placeholder_text = model.placeholder_text
