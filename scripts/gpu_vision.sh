@@ -8,6 +8,8 @@
 #
 # Before the call, on the development machine (once), as for gpu_check.sh:
 #   mkdir -p .whl && cp /work/shared/gpu-wheels/*.whl .whl/     # .whl/ is git-ignored; carry it
+# Images need Pillow, which /work/shared/gpu-wheels may lack; add its wheel for the GPU machine's Python:
+#   pip download --only-binary=:all: --no-deps --python-version 3.12 --platform manylinux2014_x86_64 pillow -d .whl/
 # Run (device tool, kind nvidia-h200, carry [".whl"]):   bash scripts/gpu_vision.sh
 # Settings (environment variables):
 #   SECTIONS="check bench"  NUM_PROMPTS=64 INPUT_LEN=128 OUTPUT_LEN=128 IMAGES=1 IMAGE_SIZE=448x448
@@ -35,6 +37,7 @@ has() { [[ " $SECTIONS " == *" $1 "* ]]; }
 . scripts/gpu_install.sh
 $PY -c "import torch, pagoda; print('torch', torch.__version__, '| pagoda', pagoda.__version__, '|',
 torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no cuda')" 2>&1 | tee -a "$LOG"
+$PY -c "import PIL" 2>/dev/null || { say "ERROR: Pillow is not installed here: add its wheel to .whl/ (see the header)"; exit 1; }
 
 if has check; then
   say "tiny Qwen2.5-VL on the GPU against transformers (one image, two images, text; chunked, preempted)"
