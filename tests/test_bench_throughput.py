@@ -42,7 +42,11 @@ def test_shapes_are_the_anchor_configs():
     oss = shape_config("gpt-oss-20b")  # openai/gpt-oss-20b
     assert (oss.num_local_experts, oss.num_experts_per_tok, oss.sliding_window, oss.head_dim) == (32, 4, 128, 64)
     assert oss.rope_parameters["rope_type"] == "yarn" and oss.layer_types[:2] == ["sliding_attention", "full_attention"]
-    assert set(SHAPES) == {"qwen3-0.6b", "phi3-mini", "qwen3-30b-a3b", "deepseek-v3-4l", "gemma3-1b", "gpt-oss-20b"}
+    vl = shape_config("qwen2.5-vl-3b")  # Qwen/Qwen2.5-VL-3B-Instruct
+    assert (vl.get_text_config().hidden_size, vl.get_text_config().num_hidden_layers, vl.vision_config.depth,
+            vl.vision_config.fullatt_block_indexes, vl.image_token_id) == (2048, 36, 32, [7, 15, 23, 31], 151655)
+    assert set(SHAPES) == {"qwen3-0.6b", "phi3-mini", "qwen3-30b-a3b", "deepseek-v3-4l", "gemma3-1b", "gpt-oss-20b",
+                           "qwen2.5-vl-3b"}
 
 
 def test_roofline_counts_window_layers_up_to_their_window():

@@ -77,7 +77,8 @@ CHAT_CASES = [  # (changes to a valid chat request, the field the error must nam
     ({"messages": []}, "messages"),
     ({"messages": [{"content": "no role"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages[0].content[0].type"),
+     "messages[0].content[0]"),  # a text-only model: it takes no images (docs/multimodal.md)
+    ({"messages": [{"role": "user", "content": [{"type": "audio", "audio": "x"}]}]}, "messages[0].content[0].type"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
 ]
 

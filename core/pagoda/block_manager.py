@@ -101,6 +101,8 @@ class BlockManager:
         bs = self.block_size
         for i in range(start, end):
             key = (parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            if seq.mm_inputs is not None:  # the hashes of the images the block holds tokens of
+                key = (parent, key[1] + seq.mm_inputs.block_extra(i * bs, (i + 1) * bs))
             parent = chain_hash(*key)
             yield key, parent
 

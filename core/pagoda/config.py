@@ -95,6 +95,14 @@ class EngineConfig(BaseModel):
                                             "vLLM's keys: {method: ngram, num_speculative_tokens: 3, "
                                             "prompt_lookup_max: 3, prompt_lookup_min: 1}, {method: draft_model, "
                                             "model: PATH, num_speculative_tokens: 3} or {method: mtp} (DeepSeek-V3)")
+    # multimodal models (docs/multimodal.md)
+    limit_mm_per_prompt: dict = Field(default_factory=lambda: {"image": 8}, description="most items of each "
+                                      "modality one prompt may carry, e.g. {image: 4}; more is a 400 naming the "
+                                      "extra item")
+    max_image_pixels: int = Field(32 << 20, gt=0, description="largest image (width x height, decoded) a request "
+                                  "may send; a larger one is refused before it is processed")
+    mm_processor_kwargs: dict = Field(default_factory=dict, description="options of the model's image processor, "
+                                      "e.g. {max_pixels: 1003520} to bound an image's tokens (Qwen2.5-VL)")
 
     @model_validator(mode="before")
     @classmethod

@@ -280,3 +280,51 @@ class LogitsProcessor:
         """``logits``: float [vocab_size] for one request (the device's dtype); return a
         tensor of the same shape (modifying ``logits`` in place and returning it is fine)."""
         raise NotImplementedError
+
+
+# ---------------------------------------------------------------------------- multimodal models
+@dataclass
+class ImageInput:
+    """One image after its model's processor: what the encoder needs and how many prompt tokens it
+    fills. ``pixel_values`` and ``grid`` are the model's own (Qwen2.5-VL: [patches, C*T*P*P] and
+    (t, h, w) in patches); ``num_tokens`` placeholder tokens stand for it in the prompt."""
+
+    pixel_values: Any  # torch.Tensor, on the CPU
+    grid: tuple[int, ...]
+    num_tokens: int
+
+
+class SupportsMultiModal:
+    """The contract of a model that embeds images (mix it into the model class).
+
+    The engine expands each image's single ``placeholder_token_id`` in a prompt to
+    ``ImageInput.num_tokens`` copies, runs ``encode_images`` for the images a step reaches (batched
+    across requests; the outputs are cached per image content, ``pagoda.multimodal``) and calls
+    ``forward(input_ids, positions, image_embeds=(rows, embeds))``: the model embeds the tokens,
+    then writes ``embeds`` [R, hidden] over the rows ``rows`` [R] (int64) of the step.
+    ``mrope_positions`` gives 3-D positions (M-RoPE); a model with 1-D rotary returns None and
+    receives the usual [T] positions.
+    """
+
+    supports_multimodal = True
+    placeholder_token_id: int = -1  # the prompt token one image is written as (before expansion)
+    placeholder_text: str = ""  # what a chat template's text gets for an image part (e.g. "<|image_pad|>")
+
+    def create_image_processor(self, model_dir: str | None, options: dict) -> Callable[[list[Any]], list[ImageInput]]:
+        """A callable from PIL images to ImageInputs, run on the CPU off the engine loop.
+        ``options``: the user's ``mm_processor_kwargs`` (e.g. ``max_pixels``)."""
+        raise NotImplementedError
+
+    def encode_images(self, images: list[ImageInput]) -> list[torch.Tensor]:
+        """The language-model embeddings of each image, [num_tokens, hidden] each, in one batch."""
+        raise NotImplementedError
+
+    def mrope_positions(self, token_ids: list[int], placements: list[tuple[int, ImageInput]]) -> Any:
+        """None (1-D positions), or (positions int64 [3, len(token_ids)], delta): the 3-D positions of the
+        prompt, whose images start at the given offsets; a token after the prompt at index p has
+        position p + delta in all three rows."""
+        return None
+
+
+def supports_multimodal(model: Any) -> bool:
+    return bool(getattr(model, "supports_multimodal", False))

@@ -41,12 +41,14 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
+    def generate(self, prompts: str | dict | list[str] | list[dict] | list[int] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Outputs in the order of ``prompts`` (text, or token-id lists). ``use_tqdm``: a progress bar
-        of finished prompts with the input and output token rates, as vLLM's (tqdm, on stderr)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        of finished prompts with the input and output token rates, as vLLM's (tqdm, on stderr). A prompt
+        may be a dict as vLLM's: {"prompt": text | "prompt_token_ids": ids, "multi_modal_data": {"image": ...}}
+        (docs/multimodal.md)."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params or SamplingParams()
         if isinstance(params, SamplingParams):
@@ -55,8 +57,10 @@ class LLM:
             raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(f"llm-{next(self._ids)}", prompt, p))
+            from pagoda.multimodal.prompts import prepare_prompts
+
+            for (prompt, kwargs), p in zip(prepare_prompts(self.engine, prompts), params):
+                ids.append(self.engine.add_request(f"llm-{next(self._ids)}", prompt, p, **kwargs))
         except Exception:
             self.engine.abort_request(ids)
             raise
@@ -64,12 +68,16 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
+        from pagoda.multimodal.prompts import chat_prompt
         from pagoda.tokenizer import apply_chat_template
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [apply_chat_template(self.tokenizer, conv, add_generation_prompt) for conv in conversations]
-        token_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        return self.generate(token_ids, sampling_params, use_tqdm=use_tqdm)
+        def render(conv: list[dict]) -> str:
+            return apply_chat_template(self.tokenizer, conv, add_generation_prompt)
+
+        # token ids, or {"prompt_token_ids", "multi_modal_data"} when a conversation has images
+        prompts = [chat_prompt(self.engine, conv, render) for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool = False) -> list[RequestOutput]:
         wanted = set(ids)

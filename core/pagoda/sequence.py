@@ -67,6 +67,8 @@ class Sequence:
     # the runner computes the logprob of each prompt token when this sequence prefills (prompt_logprobs:
     # the first sequence of a request that asks; mirrored to tensor-parallel ranks)
     wants_prompt_logprobs: bool = False
+    # the request's images placed in its prompt (pagoda.multimodal.MultiModalInputs), shared by siblings
+    mm_inputs: object | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -56,6 +56,19 @@ SHAPES: dict[str, dict] = {
         layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(24)],
         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                          "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}),
+    # Qwen/Qwen2.5-VL-3B-Instruct's config (vision tower and text model); the image workload
+    # (--images-per-prompt) feeds it random images through its image processor's defaults
+    "qwen2.5-vl-3b": dict(
+        model_type="qwen2_5_vl", architectures=["Qwen2_5_VLForConditionalGeneration"], tie_word_embeddings=True,
+        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
+        text_config=dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                         num_attention_heads=16, num_key_value_heads=2, max_position_embeddings=128000,
+                         rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                          "mrope_section": [16, 24, 24]}),
+        vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
+                           patch_size=14, spatial_merge_size=2, window_size=112, temporal_patch_size=2,
+                           fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2, hidden_act="silu")),
 }
 
 

@@ -54,6 +54,9 @@ def add_parser(sub) -> None:
     p.add_argument("--save-expert-placement", metavar="FILE", help="with enable_expert_parallel: write the "
                    "balanced expert placement computed from this run's expert load (then pass it as "
                    "--expert-placement)")
+    from pagoda.bench.image_workload import add_image_args
+
+    add_image_args(p)
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -80,8 +83,10 @@ def _one_run(llm, prompts, params) -> dict:
     engine.platform.synchronize()
     elapsed = time.perf_counter() - t0
     out_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    in_tokens = sum(len(p) for p in prompts)
+    in_tokens = sum(len(o.prompt_token_ids) for o in outputs)  # with image tokens (image workload)
+    images = sum(len(p["multi_modal_data"]["image"]) for p in prompts if isinstance(p, dict))
     return {
+        "images": images, "images_per_s": images / elapsed,
         "elapsed_seconds": elapsed, "output_tokens": out_tokens, "input_tokens": in_tokens,
         "requests_per_s": len(prompts) / elapsed, "output_tok_s": out_tokens / elapsed,
         "total_tok_s": (out_tokens + in_tokens) / elapsed,
@@ -126,7 +131,10 @@ def _build_config(args, tmp: str):
         extra = dict(model=str(write_shape(args.shape, Path(tmp) / args.shape)), load_format="dummy",
                      skip_tokenizer_init=True)
     if args.max_model_len is None:
-        extra["max_model_len"] = args.input_len + args.output_len
+        from pagoda.bench.image_workload import image_tokens_bound
+
+        extra["max_model_len"] = args.input_len + args.output_len + \
+            args.images_per_prompt * image_tokens_bound(args.image_size)
     return engine_config_from_args(args, **extra)
 
 
@@ -149,15 +157,23 @@ def run(args) -> int:
         vocab = hf_config.vocab_size
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=args.ignore_eos,
                                 detokenize=False)
+        make_prompts = _prompts
+        if args.images_per_prompt:  # the image workload: random images before each prompt's tokens
+            from pagoda.bench.image_workload import image_prompts
+
+            def make_prompts(num, length, vocab, seed):
+                return image_prompts(engine, _prompts(num, length, vocab, seed), args.images_per_prompt,
+                                     args.image_size, seed)
         if args.warmup_prompts is None:
             args.warmup_prompts = args.num_prompts
         if args.warmup_prompts:
             warm = SamplingParams(temperature=0.0, max_tokens=min(8, args.output_len), ignore_eos=True,
                                   detokenize=False)
-            llm.generate(_prompts(args.warmup_prompts, args.input_len, vocab, args.prompt_seed + 999), warm)
+            llm.generate(make_prompts(args.warmup_prompts, args.input_len, vocab, args.prompt_seed + 999), warm)
         runs = []
         for r in range(args.repeats):
-            runs.append(_one_run(llm, _prompts(args.num_prompts, args.input_len, vocab, args.prompt_seed + r), params))
+            prompts = make_prompts(args.num_prompts, args.input_len, vocab, args.prompt_seed + r)
+            runs.append(_one_run(llm, prompts, params))
         best = max(runs, key=lambda x: x["output_tok_s"])
         stats = llm.get_stats()
         experts = stats.get("expert_load")
@@ -169,11 +185,11 @@ def run(args) -> int:
             from pagoda.bench.profile import profile_decode, profile_timeline
 
             greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
-            profile = profile_decode(llm, _prompts(args.num_prompts, args.input_len, vocab, args.prompt_seed + 77),
+            profile = profile_decode(llm, make_prompts(args.num_prompts, args.input_len, vocab, args.prompt_seed + 77),
                                      greedy)
             # the measured workload again, on fresh prompts (no prefix-cache hits), launches marked
             profile["timeline"] = profile_timeline(
-                llm, _prompts(args.num_prompts, args.input_len, vocab, args.prompt_seed + 78), params)
+                llm, make_prompts(args.num_prompts, args.input_len, vocab, args.prompt_seed + 78), params)
         device = runner.device
         if args.bandwidth_gbs and args.matmul_tflops:
             ceilings = Ceilings(args.bandwidth_gbs * 1e9, args.matmul_tflops * 1e12, False)
@@ -183,9 +199,10 @@ def run(args) -> int:
                 ceilings.bandwidth = args.bandwidth_gbs * 1e9
             if args.matmul_tflops:
                 ceilings.matmul_flops = args.matmul_tflops * 1e12
-        counts = model_counts(runner.model, hf_config)
+        text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        counts = model_counts(runner.model, text_config)
         work = Workload(args.num_prompts, args.input_len, args.output_len)
-        floor = workload_floor(work, counts, runner.kv_layer_bytes(), hf_config, ceilings)
+        floor = workload_floor(work, counts, runner.kv_layer_bytes(), text_config, ceilings)
         result = {
             "schema": SCHEMA,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -199,6 +216,7 @@ def run(args) -> int:
                       "attention_backends": {k: b.name for k, b in runner.backends.items()},
                       "cuda_graphs": runner.graphs is not None},
             "workload": {**asdict(work), "ignore_eos": args.ignore_eos, "repeats": args.repeats,
+                         "images_per_prompt": args.images_per_prompt, "image_size": args.image_size,
                          "warmup_prompts": args.warmup_prompts, "step_tokens": engine.scheduler.max_num_batched_tokens},
             "engine_config": config.model_dump(mode="json"),
             "setup_seconds": setup_s,
@@ -297,6 +315,8 @@ def format_result(res: dict) -> list[str]:
         f"  requests/s       {best['requests_per_s']:,.2f}",
         f"  output tok/s     {best['output_tok_s']:,.0f}   (runs: {spread})",
         f"  total tok/s      {best['total_tok_s']:,.0f}",
+        *([f"  images/s         {best['images_per_s']:,.2f}   ({w['images_per_prompt']} of {w['image_size']} "
+           f"per prompt)"] if w.get("images_per_prompt") else []),
         f"  time split       {best['elapsed_seconds']:.3f} s: prefill {t['prefill']:.3f} s, "
         f"decode {t['decode']:.3f} s, scheduling {t['schedule']:.3f} s, postprocess {t['postprocess']:.3f} s "
         f"over {t['steps']} steps ({best.get('steps_launched_ahead', 0)} launched ahead)",

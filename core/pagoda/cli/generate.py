@@ -25,6 +25,9 @@ def add_parser(sub) -> None:
     p.add_argument("--logprobs", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.add_argument("--image", action="append", metavar="FILE", help="an image file sent with every prompt "
+                   "(repeatable; vision-language models, docs/multimodal.md): with --chat it comes before the "
+                   "prompt's text, else the prompt holds one placeholder per image")
     add_engine_args(p, skip=("seed",))
     p.add_argument("--engine-seed", dest="seed", type=int, default=None, help="EngineConfig.seed")
     p.set_defaults(func=run)
@@ -47,10 +50,14 @@ def run(args) -> int:
                             min_p=args.min_p, seed=args.sampling_seed, max_tokens=args.max_tokens,
                             stop=args.stop, logprobs=args.logprobs, ignore_eos=args.ignore_eos)
     t1 = time.perf_counter()
+    images = _read_images(args.image or [])
     if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        parts = [{"type": "image", "image": data} for data in images]
+        outputs = llm.chat([[{"role": "user", "content": [*parts, {"type": "text", "text": p}] if images else p}]
+                            for p in prompts], params)
     else:
-        outputs = llm.generate(prompts, params)
+        outputs = llm.generate([{"prompt": p, "multi_modal_data": {"image": images}} if images else p
+                                for p in prompts], params)
     gen_s = time.perf_counter() - t1
     n_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     for prompt, out in zip(prompts, outputs):
@@ -64,3 +71,16 @@ def run(args) -> int:
     print(f"[{llm.engine.model_name} on {llm.engine.platform.name}/{llm.engine.dtype}: loaded in "
           f"{load_s:.1f}s, {n_tokens} tokens in {gen_s:.2f}s]", file=sys.stderr)
     return 0
+
+
+def _read_images(paths: list[str]) -> list[bytes]:
+    from pagoda.errors import ConfigError
+
+    found = []
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                found.append(f.read())
+        except OSError as exc:
+            raise ConfigError(f"--image {path}: {exc.strerror or exc}") from None
+    return found

@@ -24,6 +24,8 @@ class StepInputs:
     sample_seqs: list[Sequence]
     # KV cache groups 1.. (``pagoda.engine.kv_groups``): (block_tables, slot_mapping) of each
     group_tables: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # extra keyword arguments of model.forward (multimodal models: image_embeds, pagoda.multimodal.encoder)
+    model_kwargs: dict = field(default_factory=dict)
 
 
 def build_step_inputs(out: SchedulerOutput, block_size: int, device: torch.device,

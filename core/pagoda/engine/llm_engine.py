@@ -108,6 +108,7 @@ class LLMEngine:
         sampler.stop_token_ids, sampler.processors = self.eos_token_ids, self.controls.processors
         self.requests: dict[str, Request] = {}
         self._counter = itertools.count()
+        self.mm_processor = self._multimodal_processor()  # None: a model that takes no images
         self.times = StepTimes()
 
     # ------------------------------------------------------------------ setup helpers
@@ -134,6 +135,29 @@ class LLMEngine:
                 ids.update(i for i in src if isinstance(i, int))
         return ids
 
+    def _multimodal_processor(self):
+        from pagoda.interfaces import supports_multimodal
+
+        model = getattr(self.runner, "model", None)
+        if model is None or not supports_multimodal(model):
+            return None
+        if not isinstance(self.runner, ModelRunner):  # the workers would not see the images
+            raise ConfigError(f"{type(model).__name__} takes images, which run on one device for now: set "
+                              f"tensor_parallel_size to 1 (docs/multimodal.md)")
+        from pagoda.multimodal.processor import MultiModalProcessor
+
+        return MultiModalProcessor(model, str(self.source.path) if self.source.kind != "gguf" else None, self.config)
+
+    def process_multimodal(self, prompt_token_ids: list[int], images: list[tuple[Any, str]],
+                           prompt_field: str = "prompt"):
+        """A prompt's images (each with the request field that carries it) processed for this model:
+        ``pagoda.multimodal.MultiModalInputs``. CPU work, safe to run off the engine loop."""
+        if self.mm_processor is None:
+            arch = ", ".join(getattr(self.hf_config, "architectures", None) or ["?"])
+            raise RequestError(f"this model ({arch}) is text-only: it takes no images",
+                               field=images[0][1] if images else "multi_modal_data")
+        return self.mm_processor.process(prompt_token_ids, images, prompt_field)
+
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
@@ -143,8 +167,11 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int] | None,
                     params: SamplingParams | None = None, prompt_token_ids: list[int] | None = None,
-                    arrival_time: float | None = None) -> str:
-        """Validate and queue a request. A bad request raises RequestError and changes nothing."""
+                    arrival_time: float | None = None, multi_modal_data: dict | None = None,
+                    mm_inputs=None) -> str:
+        """Validate and queue a request. A bad request raises RequestError and changes nothing.
+        ``multi_modal_data`` ({"image": image or list}) is processed here; ``mm_inputs``: already
+        processed (``process_multimodal``, e.g. by the server off the engine loop)."""
         params = params or SamplingParams()
         self.validate_params(params)
         if request_id is None:
@@ -159,6 +186,12 @@ class LLMEngine:
                 prompt_token_ids = list(prompt)
             else:
                 raise RequestError("a prompt (text or token ids) is required", field="prompt")
+        if multi_modal_data is not None and mm_inputs is None:
+            images = self.mm_processor.images_of(multi_modal_data) if self.mm_processor is not None \
+                else [(None, "multi_modal_data")]
+            mm_inputs = self.process_multimodal(list(prompt_token_ids), images)
+        if mm_inputs is not None:
+            prompt_token_ids = mm_inputs.prompt_token_ids
         vocab = self.hf_config.vocab_size
         if not prompt_token_ids:
             raise RequestError("the prompt is empty", field="prompt")
@@ -173,6 +206,9 @@ class LLMEngine:
         prepared = self.controls.prepare(params)  # a grammar that does not compile is this request's error
         request = Request(request_id, text, list(prompt_token_ids), params, arrival_time or time.time())
         self.controls.attach(request, prepared)
+        if mm_inputs is not None:
+            for seq in request.seqs:
+                seq.mm_inputs = mm_inputs
         self.requests[request_id] = request
         for seq in request.seqs:
             self.scheduler.add(seq)

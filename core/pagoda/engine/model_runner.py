@@ -18,7 +18,7 @@ from pagoda.engine.inputs import StepInputs, build_step_inputs
 from pagoda.engine.kv_groups import KVCacheLayout, plan_kv_layout
 from pagoda.errors import ConfigError
 from pagoda.forward_context import ForwardContext, prepared_context, set_forward_context
-from pagoda.interfaces import AttentionBackend, AttentionSpec, Platform
+from pagoda.interfaces import AttentionBackend, AttentionSpec, Platform, supports_multimodal
 from pagoda.layers.attention import Attention
 from pagoda.loader.model_loader import build_model
 from pagoda.loader.source import ModelSource
@@ -100,6 +100,11 @@ class ModelRunner:
         self._token_hosts: list[torch.Tensor] | None = None  # pinned token buffers of launch_decode
         self._token_turn = 0
         self.expert_counts: dict[str, torch.Tensor] = {}
+        self.multimodal = None  # pagoda.multimodal.encoder.MultiModalStep of a model that embeds images
+        if supports_multimodal(self.model):
+            from pagoda.multimodal.encoder import MultiModalStep
+
+            self.multimodal = MultiModalStep(self.model, device)
 
     # ------------------------------------------------------------------ KV cache
     def kv_cache_dtype(self) -> torch.dtype:
@@ -173,7 +178,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ execution
     def _inputs(self, out: SchedulerOutput) -> StepInputs:
-        return build_step_inputs(out, self.config.block_size, self.device, num_groups=self.kv_layout.num_groups)
+        inputs = build_step_inputs(out, self.config.block_size, self.device, num_groups=self.kv_layout.num_groups)
+        if self.multimodal is not None:  # 3-D positions, image rows (running the encoder for new images)
+            self.multimodal.prepare(out, inputs)
+        return inputs
 
     def _context(self, inputs: StepInputs) -> ForwardContext:
         return prepared_context(inputs.meta, self.backends, token_seq_lens=inputs.token_seq_lens,
@@ -200,7 +208,7 @@ class ModelRunner:
             inputs = self._inputs(out)
             ctx = self._context(inputs)
             with set_forward_context(ctx):
-                hidden = self.model(inputs.input_ids, inputs.positions)
+                hidden = self.model(inputs.input_ids, inputs.positions, **inputs.model_kwargs)
                 logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
                 prompt = self._prompt_logprobs(out, inputs, hidden)
             self._accumulate_experts(ctx)
@@ -251,7 +259,7 @@ class ModelRunner:
             inputs.input_ids.index_copy_(0, rows, tokens.index_select(0, indices))
         ctx = self._context(inputs)
         with set_forward_context(ctx):
-            hidden = self.model(inputs.input_ids, inputs.positions)
+            hidden = self.model(inputs.input_ids, inputs.positions, **inputs.model_kwargs)
             logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
         self._accumulate_experts(ctx)
         return self._pending(logits[: len(inputs.sample_seqs)].argmax(dim=-1))
@@ -293,12 +301,14 @@ class ModelRunner:
         """Logits of every scheduled token (tests and scoring): [T, vocab] float32."""
         inputs = self._inputs(out)
         with set_forward_context(self._context(inputs)):
-            hidden = self.model(inputs.input_ids, inputs.positions)
+            hidden = self.model(inputs.input_ids, inputs.positions, **inputs.model_kwargs)
             return self.model.compute_logits(hidden).float()
 
     def forget(self, seq_id: int) -> None:
         """A sequence finished or was aborted: drop its per-sequence state."""
         self.sampler.forget(seq_id)
+        if self.multimodal is not None:
+            self.multimodal.forget(seq_id)
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture decode graphs where the platform and every backend allow it."""

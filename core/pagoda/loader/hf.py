@@ -24,10 +24,26 @@ def load_hf_config(directory: Path):
     try:
         if plugin_config is not None:
             return plugin_config.from_pretrained(str(directory))
-        return AutoConfig.from_pretrained(str(directory))
+        return lift_text_config(AutoConfig.from_pretrained(str(directory)))
     except Exception as exc:
         raise ModelLoadError(f"{path} could not be read by transformers' AutoConfig "
                              f"(model_type {raw.get('model_type')!r}): {exc}") from exc
+
+
+LIFTED_TEXT_KEYS = ("vocab_size", "max_position_embeddings", "eos_token_id", "bos_token_id")
+
+
+def lift_text_config(config):
+    """A composite config (vision-language: ``text_config`` + ``vision_config``) gets the text
+    model's vocab_size, max_position_embeddings and EOS/BOS ids at its top level, where the engine
+    reads them, when it lacks them there."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is config:
+        return config
+    for key in LIFTED_TEXT_KEYS:
+        if getattr(config, key, None) is None and getattr(text, key, None) is not None:
+            setattr(config, key, getattr(text, key))
+    return config
 
 
 def _plugin_config_class(raw: dict):

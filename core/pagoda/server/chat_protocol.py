@@ -37,7 +37,21 @@ class TextPart(BaseModel):
     text: str
 
 
-Content = str | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)]
+class ImageURL(BaseModel):
+    model_config = STRICT
+    url: str = Field(description="a data: URL (data:image/png;base64,...) or an http(s) URL the server fetches "
+                     "(unless media_fetch is off)")
+    detail: Literal["auto", "low", "high"] | None = Field(None, description="accepted and ignored")
+
+
+class ImagePart(BaseModel):
+    model_config = STRICT
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+Content = str | Annotated[list[ContentPart], Field(max_length=MAX_MESSAGES)]
 
 
 class FunctionCall(BaseModel):
@@ -249,7 +263,7 @@ class ChatCompletionRequest(SamplingFields):
         out = []
         for m in self.messages:
             entry: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                                     "content": message_text(m.content)}
+                                     "content": message_content(m.content)}
             if isinstance(m, AssistantMessage) and m.tool_calls:
                 entry["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                     "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in m.tool_calls]
@@ -269,8 +283,15 @@ def _arguments(text: str) -> Any:
     return value if isinstance(value, dict) else text
 
 
-def message_text(content: str | list[TextPart] | None) -> str:
+def message_text(content: str | list | None) -> str:
     """A message's text: a string, or its text parts joined (null: empty)."""
     if content is None:
         return ""
-    return content if isinstance(content, str) else "".join(part.text for part in content)
+    return content if isinstance(content, str) else "".join(p.text for p in content if isinstance(p, TextPart))
+
+
+def message_content(content: str | list | None) -> str | list[dict]:
+    """A message's text, or its parts as dicts when it has images (``pagoda.server.media`` takes them)."""
+    if isinstance(content, list) and any(isinstance(p, ImagePart) for p in content):
+        return [p.model_dump(exclude_none=True) for p in content]
+    return message_text(content)

@@ -17,6 +17,7 @@ from pagoda.server.chat_protocol import ChatCompletionRequest
 from pagoda.server.errors import APIError, bad_request
 from pagoda.server.formatting import DeltaTracker, chat_logprobs, prompt_logprobs_json, usage_sum
 from pagoda.server.frontend import ClientDisconnected, Frontend
+from pagoda.server.media import process_images, take_images
 from pagoda.server.openai_routes import SSE, _stops, event_stream, frontend, sse
 from pagoda.server.openapi import GENERATION_ERRORS, error_responses, json_or_stream
 from pagoda.server.responses import ChatCompletionChunk, ChatCompletionResponse
@@ -31,9 +32,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     fe = frontend(request)
     fe.check_request(body)
     tools = body.tool_definitions()
-    text, ids = fe.chat_prompt_ids(body.conversation(), body.add_generation_prompt, tools=tools,
+    messages, images = await take_images(fe, body.conversation())  # image_url parts -> placeholders
+    text, ids = fe.chat_prompt_ids(messages, body.add_generation_prompt, tools=tools,
                                    chat_template=body.chat_template, chat_template_kwargs=body.chat_template_kwargs,
                                    continue_final_message=body.continue_final_message)
+    mm_inputs = await process_images(fe, ids, images, "messages")
+    if mm_inputs is not None:
+        ids = mm_inputs.prompt_token_ids  # each placeholder expanded to its image's tokens
     grammar, field = body.structured_params()
     if grammar is not None:
         await fe.compile_grammar(grammar, field)
@@ -50,7 +55,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                                 structured_outputs=grammar, rename={"logprobs": "top_logprobs"})
     if output.needs_special_tokens:  # the parser's markers are special tokens: keep them in the text
         params.skip_special_tokens = False
-    stream = await fe.submit(ids, params, text, prefix="chatcmpl")
+    stream = await fe.submit(ids, params, text, prefix="chatcmpl", mm_inputs=mm_inputs)
     rid = stream.request_id
     if body.stream:
         return event_stream(chat_events(fe, body, stream, rid, output), [stream])

@@ -49,6 +49,11 @@ class ServerConfig(BaseModel):
                                          "llama3_json, mistral, deepseek_v3, pythonic, a plugin's); auto: from "
                                          "the chat template, else hermes; none: tools only with a forcing "
                                          "tool_choice")
+    # images in requests (docs/multimodal.md)
+    media_fetch: bool = Field(True, description="fetch http(s) image URLs of chat image_url parts; off: only "
+                              "data: URLs are accepted (a fetched URL is a 400)")
+    media_fetch_timeout: float = Field(10.0, gt=0, description="seconds an image URL's download may take")
+    media_max_bytes: int = Field(20 << 20, gt=0, description="largest image a URL may return")
 
     @model_validator(mode="before")
     @classmethod

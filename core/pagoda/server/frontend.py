@@ -165,9 +165,10 @@ class Frontend:
 
     # ------------------------------------------------------------------ running requests
     async def submit(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None,
-                     prefix: str = "cmpl") -> RequestStream:
+                     prefix: str = "cmpl", mm_inputs=None) -> RequestStream:
         return await self.async_engine.add_request(prompt_ids, params, f"{prefix}-{uuid.uuid4().hex}",
-                                                   prompt=prompt, timeout=self.config.request_timeout)
+                                                   prompt=prompt, timeout=self.config.request_timeout,
+                                                   mm_inputs=mm_inputs)
 
     async def follow(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
         """The stream's outputs, metered; closing early (or an error) aborts the request."""

@@ -79,14 +79,13 @@ class OllamaGenerateRequest(OllamaBase):
     template: SkipJsonSchema[str | None] = None
     context: Annotated[list[TokenId], Field(json_schema_extra=limit("prompt_tokens"))] | None = Field(
         None, description="token ids a previous response returned, to continue from")
-    images: SkipJsonSchema[list[str] | None] = None
+    images: Annotated[list[str], Field(max_length=MAX_MESSAGES)] | None = Field(
+        None, description="base64-encoded images (vision-language models; docs/multimodal.md)")
 
     def check_unsupported(self) -> None:
         if self.template:
             raise bad_request("a custom template is not supported (pagoda uses the model's chat template)",
                               param="template")
-        if self.images:
-            raise bad_request("images are not supported by pagoda", param="images")
 
 
 class OllamaFunctionCall(BaseModel):
@@ -107,10 +106,13 @@ class OllamaMessage(BaseModel):
     thinking: str | None = None
     tool_calls: Annotated[list[OllamaToolCall], Field(max_length=MAX_TOOLS)] | None = None
     tool_name: str | None = Field(None, max_length=MAX_NAME_CHARS, description="tool messages: the called tool")
-    images: SkipJsonSchema[list[str] | None] = None
+    images: Annotated[list[str], Field(max_length=MAX_MESSAGES)] | None = Field(
+        None, description="base64-encoded images (vision-language models; docs/multimodal.md)")
 
     def for_template(self) -> dict:
-        entry: dict[str, Any] = {"role": self.role, "content": self.content}
+        from pagoda.server.media import ollama_image_parts
+
+        entry: dict[str, Any] = {"role": self.role, "content": ollama_image_parts(self.images, self.content)}
         if self.tool_calls:
             entry["tool_calls"] = [{"type": "function", "function": c.function.model_dump()} for c in self.tool_calls]
         if self.tool_name is not None:
@@ -123,9 +125,7 @@ class OllamaChatRequest(OllamaBase):
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
 
     def check_unsupported(self) -> None:
-        for i, m in enumerate(self.messages):
-            if m.images:
-                raise bad_request("images are not supported by pagoda", param=f"messages[{i}].images")
+        pass
 
 
 class OllamaShowRequest(BaseModel):

@@ -23,6 +23,7 @@ from pagoda.server.chat_output import ChatOutput
 from pagoda.server.errors import APIError, to_api_error
 from pagoda.server.formatting import DeltaTracker
 from pagoda.server.frontend import ClientDisconnected, Frontend, RequestStreamingResponse
+from pagoda.server.media import ollama_field, ollama_image_parts, process_images, take_images
 from pagoda.server.ollama_protocol import OllamaBase, OllamaChatRequest, OllamaGenerateRequest, OllamaShowRequest
 from pagoda.server.openapi import BODY_ERRORS, GENERATION_ERRORS, READ_ERRORS, error_responses, json_or_stream
 from pagoda.server.responses import (
@@ -83,17 +84,21 @@ async def generate(body: OllamaGenerateRequest, request: Request) -> Response:
     if not body.prompt and not body.context:  # Ollama's "load the model" call
         return JSONResponse({"model": body.model, "created_at": now_iso(), "response": "", "done": True,
                              "done_reason": "load"})
+    images: list = []
     has_template = fe.tokenizer is not None and (fe.chat_template or getattr(fe.tokenizer, "chat_template", None))
     if body.raw or not has_template:
         text = (body.system + "\n" if body.system and not body.raw else "") + body.prompt
         ids = fe.encode(text, add_special_tokens=not body.context, param="prompt", allow_empty=bool(body.context))
     else:
         messages = ([{"role": "system", "content": body.system}] if body.system else [])
-        messages.append({"role": "user", "content": body.prompt})
+        messages.append({"role": "user", "content": ollama_image_parts(body.images, body.prompt)})
+        messages, images = await take_images(fe, messages, ollama_field("images"))
         text, ids = fe.chat_prompt_ids(messages, param="prompt", chat_template_kwargs=body.template_kwargs())
     ids = list(body.context or []) + ids
+    mm_inputs = await process_images(fe, ids, ollama_images(body.images, "images", images), "prompt")
     output = ChatOutput(fe.tokenizer, fe.reasoning_parser, None, None, False, text)
-    stream = await submit(fe, body, ids, text, output, "prompt")
+    stream = await submit(fe, body, ids if mm_inputs is None else mm_inputs.prompt_token_ids, text, output, "prompt",
+                          mm_inputs)
     return await respond(fe, request, body, stream, output, chat=False)
 
 
@@ -104,10 +109,13 @@ async def chat(body: OllamaChatRequest, request: Request) -> Response:
     fe = frontend(request)
     fe.check_request(body)
     tools = [t.model_dump() for t in body.tools] if body.tools else None
-    text, ids = fe.chat_prompt_ids([m.for_template() for m in body.messages], tools=tools,
-                                   chat_template_kwargs=body.template_kwargs())
+    messages, images = await take_images(fe, [m.for_template() for m in body.messages], ollama_field())
+    text, ids = fe.chat_prompt_ids(messages, tools=tools, chat_template_kwargs=body.template_kwargs())
+    rename = ollama_field()
+    mm_inputs = await process_images(fe, ids, [(im, rename(where)) for im, where in images], "messages")
     output = ChatOutput(fe.tokenizer, fe.reasoning_parser, fe.tool_parser if tools else None, tools, False, text)
-    stream = await submit(fe, body, ids, text, output, "messages")
+    stream = await submit(fe, body, ids if mm_inputs is None else mm_inputs.prompt_token_ids, text, output,
+                          "messages", mm_inputs)
     return await respond(fe, request, body, stream, output, chat=True)
 
 
@@ -143,7 +151,15 @@ def model_details(info: dict) -> dict:
             "parameter_size": info["parameter_size"], "quantization_level": ""}
 
 
-async def submit(fe: Frontend, body: OllamaBase, ids: list[int], text: str, output: ChatOutput, prompt_param: str):
+def ollama_images(raw: list[str] | None, field: str, taken: list) -> list:
+    """The images of /api/generate with the field that names each (raw mode: straight from ``images``)."""
+    if taken:
+        return [(im, f"{field}[{k}]") for k, (im, _) in enumerate(taken)]
+    return [(im, f"{field}[{k}]") for k, im in enumerate(raw or [])]
+
+
+async def submit(fe: Frontend, body: OllamaBase, ids: list[int], text: str, output: ChatOutput, prompt_param: str,
+                 mm_inputs=None):
     grammar = body.structured_params()
     if grammar is not None:
         await fe.compile_grammar(grammar, "format")
@@ -152,7 +168,7 @@ async def submit(fe: Frontend, body: OllamaBase, ids: list[int], text: str, outp
     params.structured_outputs = grammar
     if output.needs_special_tokens:
         params.skip_special_tokens = False
-    return await fe.submit(ids, params, text, prefix="ollama")
+    return await fe.submit(ids, params, text, prefix="ollama", mm_inputs=mm_inputs)
 
 
 def reply(body: OllamaBase, message: dict, chat: bool) -> dict:

@@ -94,7 +94,8 @@ class SamplingFields(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], float],
-                          Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
+                          Field(max_length=MAX_LOGIT_BIAS,  # keys: only token ids (the document says so too)
+                                json_schema_extra={"additionalProperties": False})] | None = Field(
         None, description="token id (as a string) -> bias added to its logit, clamped to [-100, 100]")
     user: str | None = Field(None, max_length=MAX_NAME_CHARS)
     # pagoda / vLLM extensions

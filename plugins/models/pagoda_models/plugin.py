@@ -17,6 +17,7 @@ ARCHITECTURES = {
     "Gemma3ForCausalLM": "pagoda_models.gemma3:Gemma3ForCausalLM",
     "MixtralForCausalLM": "pagoda_models.mixtral:MixtralForCausalLM",
     "GptOssForCausalLM": "pagoda_models.gpt_oss:GptOssForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration": "pagoda_models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
 }
 
 
