@@ -22,6 +22,8 @@ is the next step (docs/distributed.md).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -106,28 +108,51 @@ def resolve_ranges(num_layers: int) -> None:
     parallel_state.set_pipeline_stage(stage, size, peers, layer_ranges(num_layers, size, partition))
 
 
-def stage_forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class StageInfo:
+    """What a model built on a pipeline stage remembers (the process may later build a
+    one-device model next to it, which must not see the stage)."""
+
+    stage: int
+    size: int
+    start: int  # this stage's layers: [start, end)
+    end: int
+    previous: int | None  # global rank to receive activations from (None: stage 0)
+    following: int | None  # global rank to send them to (None: the last stage)
+    first_peer: int  # global rank of this tensor-parallel slot on stage 0 (the LM head)
+    last_peer: int  # global rank of this tensor-parallel slot on the last stage
+
+
+def current_stage(num_layers: int) -> StageInfo | None:
+    """This rank's stage (None without pipeline parallelism), read while a model is built."""
+    stage, size, (previous, following, tp_rank), _ = parallel_state.get_pipeline_stage()
+    if size == 1:
+        return None
+    start, end = stage_layers(num_layers)
+    return StageInfo(stage, size, start, end, previous, following, tp_rank,
+                     (size - 1) * parallel_state.get_tp_size() + tp_rank)
+
+
+def stage_forward(model: nn.Module, info: StageInfo, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """A Llama-shaped decoder's forward (``embed_tokens``, ``layers`` taking and returning
-    (hidden, residual), ``norm``) on this rank's stage. Returns the final hidden states on
-    stage 0 and placeholder rows elsewhere."""
-    start, end = stage_layers(len(model.layers))
-    _, size, (previous, following, first_peer), _ = parallel_state.get_pipeline_stage()
+    (hidden, residual), ``norm``) on stage ``info``. Returns the final hidden states on stage 0
+    and placeholder rows elsewhere."""
     num_tokens = input_ids.shape[0]
-    if previous is None:
+    if info.previous is None:
         hidden, residual = model.embed_tokens(input_ids), None
     else:
-        hidden = _receive(num_tokens, model, previous)
-        residual = _receive(num_tokens, model, previous)
-    for layer in model.layers[start:end]:
+        hidden = _receive(num_tokens, model, info.previous)
+        residual = _receive(num_tokens, model, info.previous)
+    for layer in model.layers[info.start:info.end]:
         hidden, residual = layer(positions, hidden, residual)
-    if following is not None:  # every stage holds >= 1 layer, so the residual is set
-        dist.send(hidden.contiguous(), following)
-        dist.send(residual.contiguous(), following)
+    if info.following is not None:  # every stage holds >= 1 layer, so the residual is set
+        dist.send(hidden.contiguous(), info.following)
+        dist.send(residual.contiguous(), info.following)
     else:
         hidden, _ = model.norm(hidden, residual)
-        dist.send(hidden.contiguous(), first_peer)  # back to the LM head on stage 0
-    if previous is None:  # stage 0: the last stage's final hidden states
-        return _receive(num_tokens, model, (size - 1) * parallel_state.get_tp_size() + first_peer)
+        dist.send(hidden.contiguous(), info.first_peer)  # back to the LM head on stage 0
+    if info.previous is None:  # stage 0: the last stage's final hidden states
+        return _receive(num_tokens, model, info.last_peer)
     return torch.zeros_like(hidden)
 
 

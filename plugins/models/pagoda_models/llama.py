@@ -6,6 +6,7 @@ import torch
 from pagoda.distributed import get_tp_size
 from pagoda.distributed.pipeline_parallel import (
     MissingLayer,
+    current_stage,
     is_first_stage,
     is_last_stage,
     is_pipelined,
@@ -119,17 +120,18 @@ class LlamaModel(nn.Module):
         # under pipeline parallelism a stage builds only its layers (the others: MissingLayer)
         resolve_ranges(config.num_hidden_layers)
         start, end = stage_layers(config.num_hidden_layers)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
-                                                   prefix=f"{prefix}.embed_tokens") if is_first_stage() else MissingLayer()
+        self.embed_tokens = MissingLayer() if not is_first_stage() else VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens")
         self.layers = nn.ModuleList(
             layer_cls(config, i, quant_config, f"{prefix}.layers.{i}", **layer_kw) if start <= i < end
             else MissingLayer() for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if is_last_stage() else MissingLayer()
         self.pp_hidden_spec = (config.hidden_size, torch.get_default_dtype(), torch.get_default_device())
+        self.pipeline_stage = current_stage(config.num_hidden_layers)
 
     def forward(self, input_ids, positions):
-        if is_pipelined():
-            return stage_forward(self, input_ids, positions)
+        if self.pipeline_stage is not None:
+            return stage_forward(self, self.pipeline_stage, input_ids, positions)
         hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
