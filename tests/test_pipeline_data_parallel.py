@@ -39,7 +39,8 @@ def llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
-    path = make_tiny_checkpoint("qwen2_moe", tmp_path_factory.mktemp("qwen2_moe"), seed=2, **QWEN_MOE)
+    path = make_tiny_checkpoint("qwen2_moe", tmp_path_factory.mktemp("qwen2_moe"), seed=2, tokenizer=True,
+                                **QWEN_MOE)
     return path, hf_greedy_tokens(path, PROMPTS, 16)
 
 
@@ -83,15 +84,17 @@ def test_dp2_moe_spreads_prompts_keeps_order_and_prefix_affinity_then_a_killed_r
     path, expected = moe
     llm = LLM(model=str(path), data_parallel_size=2, **ENGINE)
     try:
-        assert _tokens(llm.generate(PROMPTS, GREEDY)) == expected  # outputs in prompt order
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert _tokens(outs) == expected  # outputs in prompt order
         stats = llm.get_stats()
         replicas = stats["data_parallel"]
         assert [r["replica"] for r in replicas] == [0, 1]
         assert all(r["generated_tokens"] > 0 for r in replicas)  # both replicas served prompts
         assert stats["generated_tokens"] == 16 * len(PROMPTS)
         assert stats["num_preemptions"] > 0
-        # prompts sharing their first KV block go to the replica that cached it
         engine = llm.engine
+        _serve_and_scrape(engine, [o.outputs[0].text for o in outs])
+        # prompts sharing their first KV block go to the replica that cached it
         shared = PROMPTS[4][:8]
         ids = [engine.add_request(f"p{i}", shared + [i + 1] * 3, GREEDY) for i in range(3)]
         homes = {engine.requests[i] for i in ids}
@@ -106,6 +109,29 @@ def test_dp2_moe_spreads_prompts_keeps_order_and_prefix_affinity_then_a_killed_r
             llm.generate(PROMPTS[:1], GREEDY)
     finally:
         llm.shutdown()
+
+
+def _serve_and_scrape(engine, texts: list[str]) -> None:
+    """The server over the replicas: completions stream through the front, /metrics has each replica."""
+    import httpx
+    from pagoda.engine.async_engine import AsyncEngine
+    from pagoda.server import ServerConfig, ServerThread
+    from pagoda.server.app import create_app
+
+    engine.set_streaming(True)
+    try:
+        with ServerThread(create_app(AsyncEngine(engine), ServerConfig(served_model_name="tiny"))) as srv:
+            replies = [httpx.post(srv.url + "/v1/completions", timeout=120, json={
+                "model": "tiny", "prompt": PROMPTS[i], "max_tokens": 16, "temperature": 0, "ignore_eos": True})
+                for i in (0, 1)]
+            metrics = httpx.get(srv.url + "/metrics", timeout=30).text
+    finally:
+        engine.set_streaming(False)
+    for i, reply in enumerate(replies):
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == texts[i]
+    assert 'pagoda_dp_generated_tokens{replica="0"}' in metrics
+    assert 'pagoda_dp_generated_tokens{replica="1"}' in metrics
 
 
 def test_layer_split_even_and_partitioned():

@@ -39,6 +39,7 @@ from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagoda")
 STARTUP_TIMEOUT_S = 900.0
+STREAM_WAIT_S = 0.02  # streaming: how long a step waits for outputs before the server's commands run
 AFFINITY_SLACK = 4  # requests a prefix's replica may be ahead of the least loaded one (x2 + this)
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                   "GROUP_RANK", "TORCHELASTIC_RUN_ID")
@@ -50,6 +51,16 @@ def choose_replica(loads: list[float], preferred: int | None) -> int:
     if preferred is not None and loads[preferred] <= 2 * loads[least] + AFFINITY_SLACK:
         return preferred
     return least
+
+
+class _SchedulerView:
+    """What the server's ``AsyncEngine`` reads of a scheduler: the seats of all the replicas
+    (each replica queues what it cannot seat; the front does not see its queues)."""
+
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int | None):
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: list = []
+        self.running: list = []
 
 
 class _Replica:
@@ -107,6 +118,7 @@ class DataParallelEngine:
             self.replicas.append(_Replica(i, proc))
         self._finalizer = weakref.finalize(self, _stop, self.replicas, self._listener)
         self.error: WorkerError | None = None
+        self.parameter_count = 0  # replica 0 reports it when ready
         try:
             self._connect(local.model_dump_json(), finished_only)
         except BaseException:
@@ -116,6 +128,15 @@ class DataParallelEngine:
         self._prefix_home: dict[int, int] = {}  # hash of a prompt's first block -> replica
         self._pending: list[RequestOutput] = []  # outputs made by the front (refused requests)
         self._counter = 0
+        # what the server reads of an engine (pagoda.server): request controls for grammars and
+        # processors, a scheduler view, the parameter count replica 0 reported
+        from pagoda.engine.request_controls import RequestControls
+
+        self.eos_token_ids = LLMEngine._eos_ids(self)
+        self.controls = RequestControls(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids, config)
+        self.scheduler = _SchedulerView(size * config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = None
+        self._step_timeout = 60.0 if finished_only else STREAM_WAIT_S
 
     # ------------------------------------------------------------------ start-up
     def _device_lists(self, size: int, ranks: int) -> list[list[str]] | None:
@@ -194,7 +215,10 @@ class DataParallelEngine:
         kind = message[0]
         if kind == "crashed":
             self._fail(replica, f"raised {message[1]} {what}")
-        if kind in ("ready", "stats"):
+        if kind == "ready":
+            replica.stats, self.parameter_count = message[1], message[2]
+            return []
+        if kind == "stats":
             replica.stats = message[1]
             return []
         if kind == "failed":
@@ -270,9 +294,21 @@ class DataParallelEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
-    def step(self, finished_only: bool = False, timeout: float = 60.0) -> list[RequestOutput]:
-        """The outputs the replicas have sent since the last call (waiting for at least one
-        message while requests are unfinished)."""
+    def set_streaming(self, streaming: bool) -> None:
+        """Streaming (the server): replicas send every request's output after each step, and
+        ``step`` waits only briefly so that new requests are not held up. Offline (the default):
+        only finished requests (and first tokens), and ``step`` waits for them."""
+        for replica in self.replicas:
+            self._send(replica, ("mode", not streaming))
+        self._step_timeout = STREAM_WAIT_S if streaming else 60.0
+
+    def validate_params(self, params: SamplingParams) -> None:
+        params.validate(self.config.max_logprobs, vocab_size=self.hf_config.vocab_size, max_n=self.config.max_n)
+
+    def step(self, finished_only: bool = False, timeout: float | None = None) -> list[RequestOutput]:
+        """The outputs the replicas have sent since the last call (waiting up to ``timeout``
+        for at least one message while requests are unfinished)."""
+        timeout = self._step_timeout if timeout is None else timeout
         outputs, self._pending = self._pending, []
         if not self.requests:
             return outputs

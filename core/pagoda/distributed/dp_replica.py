@@ -8,7 +8,8 @@ tensor/pipeline parallel and start its own ranks), then serves messages:
 
 - ``("add", request_id, prompt, prompt_token_ids, params, arrival_time)``: queue a request; an
   error is answered with ``("failed", request_id, message)``;
-- ``("abort", [request ids])``, ``("stats",)`` (answered ``("stats", dict)``), ``("stop",)``.
+- ``("abort", [request ids])``, ``("stats",)`` (answered ``("stats", dict)``), ``("stop",)``;
+- ``("mode", finished_only)``: what to send after each step (the server streams every output).
 
 While it has requests it steps and sends ``("outputs", [RequestOutput], stats)`` after each
 step (only finished requests and first tokens when the front asked for ``finished_only``),
@@ -47,6 +48,8 @@ def serve(conn, engine, finished_only: bool) -> None:
                 engine.abort_request(message[1])
             elif kind == "stats":
                 conn.send(("stats", engine.get_stats()))
+            elif kind == "mode":
+                finished_only = message[1]
         outputs = engine.step(finished_only=finished_only)
         if outputs:
             conn.send(("outputs", outputs, engine.get_stats()))
@@ -66,7 +69,8 @@ def main() -> int:
         conn.send(("hello", int(os.environ[ENV_INDEX]), os.getpid()))
         config_json, finished_only = conn.recv()
         engine = LLMEngine(EngineConfig.model_validate_json(config_json))
-        conn.send(("ready", engine.get_stats()))
+        model = getattr(engine.runner, "model", None)
+        conn.send(("ready", engine.get_stats(), sum(p.numel() for p in model.parameters()) if model is not None else 0))
         serve(conn, engine, finished_only)
     except (EOFError, ConnectionError):  # the front went away: nothing to report to
         pass

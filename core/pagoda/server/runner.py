@@ -72,11 +72,12 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig):
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.server.app import create_app
 
-    if engine_config.data_parallel_size > 1:  # the offline API and the bench spread over replicas; not yet the server
-        raise ConfigError("data_parallel_size > 1 is not served yet: pagoda serve runs one engine (tensor/pipeline "
-                          "parallel as you like); for several replicas run one pagoda serve per replica behind a "
-                          "load balancer (docs/distributed.md), or use LLM(..., data_parallel_size=N) offline")
-    engine = LLMEngine(engine_config)
+    if engine_config.data_parallel_size > 1:  # replicas behind this front (pagoda.distributed.data_parallel)
+        from pagoda.distributed.data_parallel import DataParallelEngine
+
+        engine = DataParallelEngine(engine_config, finished_only=False)
+    else:
+        engine = LLMEngine(engine_config)
     engine.controls.structured_outputs.warm_up()
     async_engine = AsyncEngine(engine, max_queued_requests=server_config.max_queued_requests)
     return create_app(async_engine, server_config)
