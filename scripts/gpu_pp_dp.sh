@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Pipeline and data parallelism on a 2-GPU machine (device kind nvidia-h200-x2: it needs two GPUs).
-#   1. equality: PP=2 and DP=2 greedy tokens == one GPU on a random Qwen3-30B-A3B-shaped model with
-#      4 layers (float32; dummy weights, token ids in and out)
+#   1. equality: PP=2 and DP=2 greedy tokens == one GPU on a random Qwen3-30B-A3B-shaped checkpoint
+#      with 2 layers at real widths (scripts/gpu_tp_check.py --modes pp2,dp2)
 #   2. bench: pagoda bench throughput --shape qwen3-30b-a3b at 1 GPU, PP=2 and DP=2
 # then a table with the scaling efficiency (tok/s at 2 GPUs / (2 x tok/s at 1 GPU)). Results in
 # $OUT (default out/gpu-pp-dp): gpu_pp_dp.log, equality.txt, bench-<mode>.json.
@@ -32,34 +32,10 @@ say() { echo "[gpu_pp_dp +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv 2>&1 | tee -a "$LOG"
 
 if [[ " $SECTIONS " == *" equality "* ]]; then
-  say "equality: PP=2 and DP=2 against one GPU ($SHAPE x 4 layers, float32)"
-  timeout 240 $PY - "$SHAPE" <<'PYEOF' 2>&1 | grep -v -E "^(USDT|STAGE:)" | tee -a "$LOG" "$OUT/equality.txt"
-import json, sys, tempfile
-from pathlib import Path
-from pagoda import LLM, SamplingParams
-from pagoda.bench.shapes import write_shape
-shape = sys.argv[1]
-tmp = Path(tempfile.mkdtemp())
-path = write_shape(shape, tmp / shape)
-cfg = json.loads((path / "config.json").read_text()); cfg["num_hidden_layers"] = 4
-(path / "config.json").write_text(json.dumps(cfg))
-common = dict(model=str(path), load_format="dummy", skip_tokenizer_init=True, dtype="float32", max_model_len=256,
-              max_num_seqs=16, enforce_eager=True)
-import numpy as np
-prompts = np.random.default_rng(0).integers(100, 30000, size=(8, 64)).tolist()
-params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, detokenize=False)
-def run(**kw):
-    llm = LLM(**common, **kw)
-    try:
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    finally:
-        llm.shutdown()
-ref = run()
-for name, kw in (("pp2", dict(pipeline_parallel_size=2)), ("dp2", dict(data_parallel_size=2))):
-    got = run(**kw)
-    same = sum(a == b for a, b in zip(got, ref))
-    print(f"EQUALITY {name}: {same}/{len(ref)} prompts equal to one GPU")
-PYEOF
+  say "equality: PP=2 and DP=2 against one GPU ($SHAPE x 2 layers, real widths, float32 and bfloat16)"
+  timeout 240 $PY scripts/gpu_tp_check.py --out "$OUT" --shapes "$SHAPE:2" --dtypes float32,bfloat16 \
+    --modes pp2,dp2 2>&1 | grep -v -E "^(USDT|STAGE:)" | tee -a "$LOG" "$OUT/equality.txt"
+  say "equality done (exit ${PIPESTATUS[0]})"
 fi
 
 if [[ " $SECTIONS " == *" bench "* ]]; then
@@ -95,6 +71,6 @@ for mode, value in tok.items():
     eff = "" if mode == "one" or "one" not in tok else f"{value / (2 * tok['one']):.0%}"
     print(f"| {mode} | {value:,.0f} | {eff} |")
 for line in (out / "equality.txt").read_text().splitlines() if (out / "equality.txt").exists() else []:
-    if line.startswith("EQUALITY"):
-        print(line)
+    if " vs tp1: " in line:
+        print("equality", line.strip())
 PYEOF
