@@ -2,8 +2,12 @@
 and transformers (Llama and Qwen2-MoE, with chunked prefill and preemption), a killed stage or
 replica, and the pieces (layer split, replica choice)."""
 
+import json
 import os
+import shutil
 import signal
+import subprocess
+import sys
 
 import pytest
 from pagoda import LLM, SamplingParams
@@ -64,6 +68,30 @@ def test_pp2_llama_matches_one_process_and_transformers_then_a_killed_stage_is_n
         assert err.value.ranks == [1]
     finally:
         llm.shutdown()
+
+
+@pytest.mark.slow
+def test_torchrun_two_nodes_by_rendezvous_pp2_matches_one_process(llama, tmp_path):
+    """Two torchrun agents on this machine, one process each, joined by c10d rendezvous: stage 0 on
+    "node" 0, stage 1 on "node" 1 (whichever agent the rendezvous makes rank 0 prints)."""
+    path, expected = llama
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    port = 29400 + os.getpid() % 500
+    cmd = [torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+           f"127.0.0.1:{port}", "--rdzv-id", f"pp-{os.getpid()}", "-m", "pagoda.cli.main", "generate",
+           "--model", str(path), "--device", "cpu", "--dtype", "float32", "--pipeline-parallel-size", "2",
+           "--num-kv-blocks", "16", "--max-tokens", "16", "--ignore-eos", "--json",
+           "--prompt", ",".join(map(str, PROMPTS[0]))]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+             for _ in range(2)]
+    results = [node.communicate(timeout=240) for node in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
+    lines = [json.loads(line) for out, _ in results for line in out.splitlines() if line.startswith("{")]
+    assert len(lines) == 1  # only rank 0 prints
+    single = LLM(model=str(path), device="cpu", dtype="float32", num_kv_blocks=16)
+    text = ",".join(map(str, PROMPTS[0]))
+    assert lines[0]["outputs"][0]["token_ids"] == _tokens(single.generate(text, GREEDY))[0]
 
 
 @pytest.mark.slow
