@@ -79,9 +79,9 @@ def check_shape(name: str, layers: int, args, out_dir: Path) -> list[dict]:
     moe = "moe_intermediate_size" in SHAPES[name]
     prompts = random_prompts(args.num_prompts, fields["vocab_size"], args.prompt_len, args.prompt_len, seed=1,
                              low=100)
-    modes = [("tp2", dict(tensor_parallel_size=2))]
-    if moe:
-        modes.append(("ep2", dict(tensor_parallel_size=2, enable_expert_parallel=True)))
+    known = {"tp2": dict(tensor_parallel_size=2), "ep2": dict(tensor_parallel_size=2, enable_expert_parallel=True),
+             "pp2": dict(pipeline_parallel_size=2), "dp2": dict(data_parallel_size=2)}
+    modes = [(m, known[m]) for m in args.modes.split(",") if m in known and (moe or m != "ep2")]
     rows = []
     for dtype in args.dtypes.split(","):
         ref, ref_s = _generate(path, prompts, args, dtype)
@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--modes", default="tp2,ep2", help="compared with one GPU: tp2, ep2 (MoE shapes), pp2, dp2")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config field of every shape (e.g. for a small CPU run)")
     args = ap.parse_args(argv)

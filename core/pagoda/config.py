@@ -72,6 +72,14 @@ class EngineConfig(BaseModel):
                                 "model dtype by name")
     tensor_parallel_size: int = Field(1, gt=0, description="devices one model is split over")
     enable_expert_parallel: bool = Field(False, description="split MoE experts over the ranks")
+    # --- pipeline and data parallelism (docs/distributed.md) ---
+    pipeline_parallel_size: int = Field(1, gt=0, description="pipeline stages the layers are split over (each "
+                                        "stage tensor_parallel_size ranks; ranks = pipeline x tensor)")
+    pp_layer_partition: list[int] | None = Field(None, description="layers per pipeline stage, e.g. [10, 14] "
+                                                 "(must sum to the model's layers); default: an even split")
+    data_parallel_size: int = Field(1, gt=0, description="engine replicas (each tensor_parallel_size x "
+                                    "pipeline_parallel_size ranks) that requests are spread over")
+    # --- end pipeline and data parallelism ---
     expert_placement: str | None = Field(None, description="JSON file placing (and replicating) experts on "
                                          "the expert-parallel ranks, e.g. a balanced placement from "
                                          "`pagoda bench throughput`; default: equal contiguous blocks")
@@ -130,6 +138,13 @@ class EngineConfig(BaseModel):
             parse_speculative_config(v)
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
+
+    @field_validator("pp_layer_partition", mode="before")
+    @classmethod
+    def _pp_partition(cls, v: Any) -> Any:
+        """The flag's text: ``10,14`` or ``[10, 14]``."""
+        if isinstance(v, str):
+            return [int(x) for x in v.strip("[] ").split(",") if x.strip()]
         return v
 
     @field_validator("kv_cache_dtype")

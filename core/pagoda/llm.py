@@ -31,7 +31,12 @@ class LLM:
         elif not isinstance(config, EngineConfig):
             raise TypeError("config must be an EngineConfig")
         self.config = config
-        self.engine = LLMEngine(config)
+        if config.data_parallel_size > 1:  # replicas in their own processes (pagoda.distributed.data_parallel)
+            from pagoda.distributed.data_parallel import DataParallelEngine
+
+            self.engine = DataParallelEngine(config)
+        else:
+            self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
     @property
@@ -105,6 +110,8 @@ class LLM:
         """Logits [len(prompt), vocab] (float32, on the CPU) of every prompt position, computed
         in one prefill through the paged path. For tests and scoring."""
         engine = self.engine
+        if self.config.data_parallel_size > 1:
+            raise ValueError("prompt_logits scores on one engine: use data_parallel_size 1")
         seq = Sequence("score", 0, list(prompt_token_ids), SamplingParams(max_tokens=1))
         if not engine.block_manager.allocate_slots(seq, seq.num_tokens):
             raise RuntimeError("not enough free KV blocks to score this prompt")

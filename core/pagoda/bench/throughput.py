@@ -150,6 +150,10 @@ def run(args) -> int:
         t0 = time.perf_counter()
         llm = LLM(config=config)
         setup_s = time.perf_counter() - t0
+        if config.data_parallel_size > 1:  # replicas in their own processes: no roofline here
+            from pagoda.bench.throughput_dp import run_data_parallel
+
+            return run_data_parallel(args, config, llm, setup_s, _prompts, _write)
         freeze_startup_objects()  # as pagoda serve does: collections do not scan the engine
         engine = llm.engine
         runner = engine.runner

@@ -122,7 +122,7 @@ def run(args) -> int:
     engine = app.state.async_engine.engine
 
     def announce(url: str) -> None:
-        if engine.platform.name == "cpu":
+        if engine.platform.name == "cpu" and engine.runner is not None:  # None: data-parallel replicas
             print(cpu_choices(engine), file=sys.stderr, flush=True)
         print(f"pagoda: serving {fe.model_name} ({engine.platform.name}/{engine.dtype}, max_model_len "
               f"{fe.max_model_len}) on {url}{' (API keys required)' if server_config.api_keys else ''}",

@@ -66,13 +66,13 @@ def create_executor(config: EngineConfig, source: Any, hf_config: Any, platform:
     if config.expert_placement and not (config.enable_expert_parallel and config.tensor_parallel_size > 1):
         raise ConfigError(f"expert_placement {config.expert_placement!r} places experts on expert-parallel ranks: "
                           f"it needs enable_expert_parallel and tensor_parallel_size > 1")
-    if config.tensor_parallel_size == 1 and info is None:
+    if config.tensor_parallel_size == 1 and config.pipeline_parallel_size == 1 and info is None:
         from pagoda.engine.model_runner import ModelRunner
 
         device = platform.device(0)
         platform.set_device(0)
         torch.manual_seed(config.seed)
-        if parallel_state.get_tp_size() == 1:
+        if parallel_state.get_tp_size() == 1 and parallel_state.get_pipeline_stage()[1] == 1:
             return ModelRunner(config, source, hf_config, platform, dtype, device)
         with parallel_state.single_process():  # a tensor-parallel engine also lives in this process
             return ModelRunner(config, source, hf_config, platform, dtype, device)
@@ -87,7 +87,7 @@ def _start_local_run(config, source, hf_config, platform, dtype) -> TensorParall
     from pagoda.distributed.local_workers import LocalWorkers
     from pagoda.distributed.worker_main import CONFIG_KEY, DTYPE_KEY, PLATFORM_KEY, READY_KEY
 
-    world = config.tensor_parallel_size
+    world = config.tensor_parallel_size * config.pipeline_parallel_size
     if dist.is_initialized():  # before starting anything: the group in place belongs to someone else
         raise ConfigError("torch.distributed is already initialised in this process (another tensor-parallel "
                           "engine?): one tensor-parallel engine per process; shut the other down first "

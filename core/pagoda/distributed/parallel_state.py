@@ -22,6 +22,13 @@ _TP_RANK = 0
 _TP_SIZE = 1
 _EXPERT_PARALLEL = False
 _EXPERT_PLACEMENT: Any = None  # pagoda.distributed.expert_placement.ExpertPlacement or None (contiguous)
+# pipeline parallelism (pagoda.distributed.pipeline_parallel): this rank's stage, the number of
+# stages, the global ranks of the same tensor-parallel slot in the previous/next stage, and the
+# layers of every stage as (start, end)
+_PP_STAGE = 0
+_PP_SIZE = 1
+_PP_PEERS: tuple[int | None, int | None, int | None] = (None, None, None)  # (previous, next, first stage's)
+_PP_RANGES: list[tuple[int, int]] | None = None
 
 
 def set_tp_group(group: Any, rank: int, size: int) -> None:
@@ -36,9 +43,20 @@ def set_expert_parallel(enabled: bool, placement: Any = None) -> None:
     _EXPERT_PARALLEL, _EXPERT_PLACEMENT = enabled, placement
 
 
+def set_pipeline_stage(stage: int, size: int, peers: tuple, ranges: list[tuple[int, int]] | None) -> None:
+    global _PP_STAGE, _PP_SIZE, _PP_PEERS, _PP_RANGES
+    _PP_STAGE, _PP_SIZE, _PP_PEERS, _PP_RANGES = stage, size, peers, ranges
+
+
+def get_pipeline_stage() -> tuple[int, int, tuple, list[tuple[int, int]] | None]:
+    """(stage, number of stages, (previous, next, first stage's) peer ranks, layer ranges)."""
+    return _PP_STAGE, _PP_SIZE, _PP_PEERS, _PP_RANGES
+
+
 def reset_parallel_state() -> None:
     set_tp_group(None, 0, 1)
     set_expert_parallel(False, None)
+    set_pipeline_stage(0, 1, (None, None, None), None)
 
 
 @contextlib.contextmanager
@@ -46,12 +64,14 @@ def single_process() -> Iterator[None]:
     """Build a one-device model while a tensor-parallel engine lives in this process: its
     layers see size 1 while they are built, and they gate every collective on that size."""
     saved = (_TP_GROUP, _TP_RANK, _TP_SIZE, _EXPERT_PARALLEL, _EXPERT_PLACEMENT)
+    pipeline = get_pipeline_stage()
     reset_parallel_state()
     try:
         yield
     finally:
         set_tp_group(*saved[:3])
         set_expert_parallel(*saved[3:])
+        set_pipeline_stage(*pipeline)
 
 
 def get_tp_group() -> Any:

@@ -63,12 +63,14 @@ def launcher_env() -> RankInfo | None:
 
 def check_world(config: EngineConfig, platform: Platform, info: RankInfo | None) -> None:
     """Clear errors for a size mismatch with the launcher and for more ranks than devices."""
-    tp = config.tensor_parallel_size
+    tp = config.tensor_parallel_size * config.pipeline_parallel_size  # every rank of the run
     if info is not None and info.world_size != tp:
+        pp = f" x pipeline_parallel_size {config.pipeline_parallel_size}" if config.pipeline_parallel_size > 1 else ""
         raise ConfigError(
             f"torchrun started {info.world_size} processes (WORLD_SIZE={info.world_size}) but "
-            f"tensor_parallel_size is {tp}: pass --tensor-parallel-size {info.world_size} (every rank of the "
-            f"run holds one shard of the model)")
+            f"tensor_parallel_size is {config.tensor_parallel_size}{pp}: pass --tensor-parallel-size "
+            f"{info.world_size} (or a tensor x pipeline product of it; every rank of the run holds one shard "
+            f"of the model)")
     if platform.device_type == "cpu":
         return  # ranks share the host's cores
     local = info.local_world_size if info is not None else tp
@@ -100,7 +102,12 @@ def init_parallel_state(config: EngineConfig, platform: Platform, info: RankInfo
         kwargs["init_method"] = "env://"
     dist.init_process_group(**kwargs)
     control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if backend != "gloo" else dist.group.WORLD
-    parallel_state.set_tp_group(dist.group.WORLD, info.rank, info.world_size)
+    if config.pipeline_parallel_size > 1:  # a tensor-parallel group per stage (pagoda.distributed.pipeline_parallel)
+        from pagoda.distributed.pipeline_parallel import init_pipeline_groups
+
+        init_pipeline_groups(config, info.rank, info.world_size)
+    else:
+        parallel_state.set_tp_group(dist.group.WORLD, info.rank, info.world_size)
     placement = None
     if config.enable_expert_parallel and config.expert_placement:
         from pagoda.distributed.expert_placement import ExpertPlacement

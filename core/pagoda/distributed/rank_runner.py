@@ -18,4 +18,12 @@ def build_rank_runner(config: EngineConfig, source: Any, hf_config: Any, platfor
 
     device = rank_device(platform, info)
     torch.manual_seed(config.seed)
-    return ModelRunner(config, source, hf_config, platform, dtype, device)
+    runner = ModelRunner(config, source, hf_config, platform, dtype, device)
+    if config.pipeline_parallel_size > 1 and not getattr(getattr(runner.model, "model", None),
+                                                         "supports_pipeline_parallel", False):
+        from pagoda.errors import ConfigError
+
+        raise ConfigError(f"pipeline_parallel_size={config.pipeline_parallel_size}: {type(runner.model).__name__} "
+                          f"cannot be split into pipeline stages (only models built on the Llama decoder stack can; "
+                          f"docs/distributed.md); use tensor_parallel_size instead")
+    return runner

@@ -115,6 +115,10 @@ def build_model(config: EngineConfig, source: ModelSource, hf_config: Any, dtype
         init_dummy_weights(model, config.seed)
     else:
         stream = weight_stream(source, quant_config)
+        if config.pipeline_parallel_size > 1:  # a pipeline stage reads only its own layers' weights
+            from pagoda.distributed.pipeline_parallel import skip_other_stages
+
+            stream = skip_other_stages(model, stream)
         with torch.no_grad():
             loaded = model.load_weights(stream)
         missing = [n for n, _ in model.named_parameters() if n not in loaded]

@@ -66,6 +66,16 @@ class EngineCollector:
             yield CounterMetricFamily("pagoda_grammar_mask_seconds", "host seconds spent filling "
                                       "grammar masks", value=float(masks["mask_seconds"]))
         yield from speculative_families(stats.get("speculative"))
+        replicas = stats.get("data_parallel")
+        if replicas:  # data parallelism: each replica's gauges, labelled by replica
+            for key in ("num_running", "num_waiting", "num_unfinished", "kv_blocks_used", "kv_blocks_total",
+                        "generated_tokens"):
+                family = GaugeMetricFamily(f"pagoda_dp_{key}", f"{key} of each data-parallel replica (its last "
+                                           f"report)", labels=["replica"])
+                for rep in replicas:
+                    if key in rep:
+                        family.add_metric([str(rep["replica"])], float(rep[key]))
+                yield family
         experts = stats.get("expert_load")
         if experts:
             load = CounterMetricFamily("pagoda_expert_tokens", "tokens routed to each expert of each MoE "

@@ -72,7 +72,12 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig):
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.server.app import create_app
 
-    engine = LLMEngine(engine_config)
+    if engine_config.data_parallel_size > 1:  # replicas behind this front (pagoda.distributed.data_parallel)
+        from pagoda.distributed.data_parallel import DataParallelEngine
+
+        engine = DataParallelEngine(engine_config, finished_only=False)
+    else:
+        engine = LLMEngine(engine_config)
     engine.controls.structured_outputs.warm_up()
     async_engine = AsyncEngine(engine, max_queued_requests=server_config.max_queued_requests)
     return create_app(async_engine, server_config)

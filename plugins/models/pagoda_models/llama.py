@@ -4,6 +4,16 @@ from __future__ import annotations
 
 import torch
 from pagoda.distributed import get_tp_size
+from pagoda.distributed.pipeline_parallel import (
+    MissingLayer,
+    current_stage,
+    is_first_stage,
+    is_last_stage,
+    is_pipelined,
+    resolve_ranges,
+    stage_forward,
+    stage_layers,
+)
 from pagoda.layers import (
     Attention,
     GatedActivation,
@@ -103,16 +113,25 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    supports_pipeline_parallel = True  # pagoda.distributed.pipeline_parallel.stage_forward runs it
+
     def __init__(self, config, quant_config, prefix: str, layer_cls=LlamaDecoderLayer, **layer_kw):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
-                                                   prefix=f"{prefix}.embed_tokens")
+        # under pipeline parallelism a stage builds only its layers (the others: MissingLayer)
+        resolve_ranges(config.num_hidden_layers)
+        start, end = stage_layers(config.num_hidden_layers)
+        self.embed_tokens = MissingLayer() if not is_first_stage() else VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens")
         self.layers = nn.ModuleList(
-            layer_cls(config, i, quant_config, f"{prefix}.layers.{i}", **layer_kw)
-            for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            layer_cls(config, i, quant_config, f"{prefix}.layers.{i}", **layer_kw) if start <= i < end
+            else MissingLayer() for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if is_last_stage() else MissingLayer()
+        self.pp_hidden_spec = (config.hidden_size, torch.get_default_dtype(), torch.get_default_device())
+        self.pipeline_stage = current_stage(config.num_hidden_layers)
 
     def forward(self, input_ids, positions):
+        if self.pipeline_stage is not None:
+            return stage_forward(self, self.pipeline_stage, input_ids, positions)
         hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
@@ -141,14 +160,21 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias, o_bias = self.attention_biases(config)
         self.model = LlamaModel(config, quant_config, "model", layer_cls=self.decoder_layer, qkv_bias=qkv_bias,
                                 o_bias=o_bias, qk_norm=self.qk_norm)
+        if not is_first_stage():  # the LM head lives with the embedding, on pipeline stage 0
+            self.lm_head, self.supports_graphs = MissingLayer(), False
+            return
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.tie_to(self.model.embed_tokens)
+        if is_pipelined():
+            self.supports_graphs = False  # the stages' send/recv run eagerly
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.lm_head, MissingLayer):  # a later pipeline stage: stage 0 computes the logits
+            return hidden.new_empty(hidden.shape[0], 0)
         return self.lm_head.compute_logits(hidden)
 
     def load_weights(self, weights) -> set[str]:

@@ -1,0 +1,370 @@
+"""Data parallelism: ``data_parallel_size`` engine replicas behind one front.
+
+``DataParallelEngine`` has the request interface of ``LLMEngine`` (``add_request``,
+``step``, ``abort_request``, ``has_unfinished_requests``, ``get_stats``, ``shutdown``) so
+that ``LLM`` drives it unchanged. Each replica is a whole engine (possibly tensor/pipeline
+parallel) in its own process (``pagoda.distributed.dp_replica``), started as a fresh
+interpreter and talking to the front over a local ``multiprocessing.connection`` socket.
+On CUDA, replica i sees devices ``[i*R, (i+1)*R)`` of the visible ones (R = its ranks).
+
+Where a request goes (``choose_replica``): the least loaded replica, where load = the
+requests the front has given it and not seen finish (running + waiting) + its KV cache
+usage (fraction of blocks in use, from its last report) x ``max_num_seqs``; except that a
+prompt whose first KV block (``block_size`` tokens) was seen before goes back to the replica
+that holds that prefix in its cache, unless that one is much more loaded (more than twice
+the least load + ``AFFINITY_SLACK``). The front tokenizes and checks prompts; the rest of a
+request's validation happens in its replica, whose refusal comes back as a failed output.
+
+A replica that dies stops the front with a ``WorkerError`` naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import subprocess
+import sys
+import time
+import weakref
+from multiprocessing.connection import Listener, wait
+from typing import Any
+
+from pagoda.config import EngineConfig
+from pagoda.distributed.dp_replica import ENV_ADDRESS, ENV_AUTHKEY, ENV_INDEX
+from pagoda.distributed.failures import WorkerError, describe_exit
+from pagoda.errors import ConfigError, RequestError
+from pagoda.outputs import CompletionOutput, RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagoda")
+STARTUP_TIMEOUT_S = 900.0
+STREAM_WAIT_S = 0.02  # streaming: how long a step waits for outputs before the server's commands run
+AFFINITY_SLACK = 4  # requests a prefix's replica may be ahead of the least loaded one (x2 + this)
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                  "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def choose_replica(loads: list[float], preferred: int | None) -> int:
+    """The replica for a request: ``preferred`` (its prefix's) unless much more loaded."""
+    least = min(range(len(loads)), key=lambda i: (loads[i], i))
+    if preferred is not None and loads[preferred] <= 2 * loads[least] + AFFINITY_SLACK:
+        return preferred
+    return least
+
+
+class _SchedulerView:
+    """What the server's ``AsyncEngine`` reads of a scheduler: the seats of all the replicas
+    (each replica queues what it cannot seat; the front does not see its queues)."""
+
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int | None):
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: list = []
+        self.running: list = []
+
+
+class _Replica:
+    def __init__(self, index: int, proc: subprocess.Popen):
+        self.index, self.proc = index, proc
+        self.conn: Any = None
+        self.unfinished: set[str] = set()
+        self.stats: dict = {}
+
+    def kv_usage(self) -> float:
+        total = self.stats.get("kv_blocks_total") or 0
+        return self.stats.get("kv_blocks_used", 0) / total if total else 0.0
+
+    def describe(self) -> str:
+        return f"data-parallel replica {self.index} (pid {self.proc.pid})"
+
+
+class DataParallelEngine:
+    """The front of ``data_parallel_size`` replicas (see the module docstring)."""
+
+    def __init__(self, config: EngineConfig, finished_only: bool = True):
+        from pagoda.engine.llm_engine import LLMEngine
+        from pagoda.loader.model_loader import load_config
+        from pagoda.loader.source import resolve_source
+        from pagoda.selection import select_platform
+        from pagoda.tokenizer import load_tokenizer, tokenizer_location
+
+        self.config = config
+        size = config.data_parallel_size
+        device_name, dtype = config.resolved_device_and_dtype()
+        self.platform = select_platform(device_name)
+        self.dtype = self.platform.default_dtype if dtype == "auto" else dtype
+        self.source = resolve_source(config.model, config.revision, config.download_dir)
+        self.hf_config = load_config(self.source)
+        self.model_name = config.served_model_name or self.source.name
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
+            self.source, tokenizer_location(config.tokenizer, self.source, config.tokenizer_revision,
+                                            config.download_dir))
+        self.max_model_len = LLMEngine._max_model_len(self)  # the same rule as every replica's
+        ranks = config.tensor_parallel_size * config.pipeline_parallel_size
+        devices = self._device_lists(size, ranks)
+        local = config.model_copy(update={"data_parallel_size": 1, "model": str(self.source.path)}
+                                  if getattr(self.source, "repo_id", None) else {"data_parallel_size": 1})
+        authkey = secrets.token_bytes(16)
+        self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        port = self._listener.address[1]
+        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+        env.update({ENV_ADDRESS: f"127.0.0.1:{port}", ENV_AUTHKEY: authkey.hex()})
+        self.replicas: list[_Replica] = []
+        for i in range(size):
+            extra = {ENV_INDEX: str(i)}
+            if devices is not None:
+                extra["CUDA_VISIBLE_DEVICES"] = ",".join(devices[i])
+            proc = subprocess.Popen([sys.executable, "-m", "pagoda.distributed.dp_replica"], env={**env, **extra})
+            self.replicas.append(_Replica(i, proc))
+        self._finalizer = weakref.finalize(self, _stop, self.replicas, self._listener)
+        self.error: WorkerError | None = None
+        self.parameter_count = 0  # replica 0 reports it when ready
+        try:
+            self._connect(local.model_dump_json(), finished_only)
+        except BaseException:
+            self._finalizer()
+            raise
+        self.requests: dict[str, int] = {}  # request id -> replica
+        self._prefix_home: dict[int, int] = {}  # hash of a prompt's first block -> replica
+        self._pending: list[RequestOutput] = []  # outputs made by the front (refused requests)
+        self._counter = 0
+        # what the server reads of an engine (pagoda.server): request controls for grammars and
+        # processors, a scheduler view, the parameter count replica 0 reported
+        from pagoda.engine.request_controls import RequestControls
+
+        self.eos_token_ids = LLMEngine._eos_ids(self)
+        self.controls = RequestControls(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids, config)
+        self.scheduler = _SchedulerView(size * config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = None
+        self._step_timeout = 60.0 if finished_only else STREAM_WAIT_S
+
+    # ------------------------------------------------------------------ start-up
+    def _device_lists(self, size: int, ranks: int) -> list[list[str]] | None:
+        if self.platform.device_type != "cuda":
+            return None
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = [d for d in visible.split(",") if d] if visible else [str(i) for i in range(self.platform.device_count())]
+        if len(ids) < size * ranks:
+            raise ConfigError(f"data_parallel_size={size} x {ranks} ranks per replica needs {size * ranks} cuda "
+                              f"devices, but {len(ids)} are visible")
+        return [ids[i * ranks:(i + 1) * ranks] for i in range(size)]
+
+    def _connect(self, config_json: str, finished_only: bool) -> None:
+        """Accept every replica's connection, send it its config, wait until its engine is up."""
+        import threading
+
+        accepted: list[Any] = []
+
+        def accept() -> None:
+            for _ in self.replicas:
+                try:
+                    accepted.append(self._listener.accept())
+                except OSError:
+                    return
+
+        thread = threading.Thread(target=accept, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while len(accepted) < len(self.replicas):
+            self._check_alive("while starting")
+            if time.monotonic() > deadline:
+                raise WorkerError(f"data-parallel replicas did not connect within {STARTUP_TIMEOUT_S:.0f} s")
+            time.sleep(0.02)
+        for conn in accepted:
+            _, index, _pid = conn.recv()
+            self.replicas[index].conn = conn
+            conn.send((config_json, finished_only))
+        waiting = {r.conn: r for r in self.replicas}
+        while waiting:
+            for conn in wait(list(waiting), timeout=0.5):
+                replica = waiting.pop(conn)
+                self._handle(replica, self._recv(replica, "while starting"), "while starting")
+            self._check_alive("while starting")
+            if time.monotonic() > deadline:
+                raise WorkerError(f"data-parallel replicas did not start within {STARTUP_TIMEOUT_S:.0f} s")
+
+    # ------------------------------------------------------------------ failures
+    def _check_alive(self, what: str) -> None:
+        if self.error is not None:
+            raise self.error
+        for replica in self.replicas:
+            code = replica.proc.poll()
+            if code is not None:
+                self._fail(replica, f"{describe_exit(code)} {what}")
+
+    def _fail(self, replica: _Replica, what: str) -> None:
+        self.error = WorkerError(f"{replica.describe()} {what}. The engine has stopped; create a new one.",
+                                 [replica.index])
+        self._finalizer()
+        raise self.error
+
+    def _recv(self, replica: _Replica, what: str) -> Any:
+        try:
+            return replica.conn.recv()
+        except (EOFError, OSError):
+            replica.proc.wait(5.0)
+            self._fail(replica, f"{describe_exit(replica.proc.poll())} {what}")
+
+    def _send(self, replica: _Replica, message: tuple) -> None:
+        try:
+            replica.conn.send(message)
+        except OSError:
+            self._fail(replica, "is gone (its connection closed)")
+
+    def _handle(self, replica: _Replica, message: tuple, what: str) -> list[RequestOutput]:
+        kind = message[0]
+        if kind == "crashed":
+            self._fail(replica, f"raised {message[1]} {what}")
+        if kind == "ready":
+            replica.stats, self.parameter_count = message[1], message[2]
+            return []
+        if kind == "stats":
+            replica.stats = message[1]
+            return []
+        if kind == "failed":
+            _, rid, text = message
+            replica.unfinished.discard(rid)
+            self.requests.pop(rid, None)
+            return [RequestOutput(rid, None, [], [CompletionOutput(0, "", [], None, None, "error")], True,
+                                  error=text)]
+        outputs, replica.stats = message[1], message[2]
+        for out in outputs:
+            if out.finished:
+                replica.unfinished.discard(out.request_id)
+                self.requests.pop(out.request_id, None)
+        return outputs
+
+    # ------------------------------------------------------------------ requests
+    def _loads(self) -> list[float]:
+        return [len(r.unfinished) + r.kv_usage() * self.config.max_num_seqs for r in self.replicas]
+
+    def add_request(self, request_id: str | None, prompt: str | list[int] | None,
+                    params: SamplingParams | None = None, prompt_token_ids: list[int] | None = None,
+                    arrival_time: float | None = None, multi_modal_data=None, mm_inputs=None) -> str:
+        self._check_alive("")
+        if multi_modal_data is not None or mm_inputs is not None:
+            raise RequestError("images are not supported with data_parallel_size > 1 yet: serve a vision "
+                               "model with one replica", field="messages")
+        params = params or SamplingParams()
+        params.validate(self.config.max_logprobs, vocab_size=self.hf_config.vocab_size, max_n=self.config.max_n)
+        if request_id is None:
+            self._counter += 1
+            request_id = f"req-{self._counter}"
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use", field="request_id")
+        text = prompt if isinstance(prompt, str) else None
+        if prompt_token_ids is None:
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise RequestError("this model has no tokenizer: pass token ids", field="prompt")
+                prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            elif isinstance(prompt, (list, tuple)):
+                prompt_token_ids = list(prompt)
+            else:
+                raise RequestError("a prompt (text or token ids) is required", field="prompt")
+        vocab = self.hf_config.vocab_size
+        if not prompt_token_ids:
+            raise RequestError("the prompt is empty", field="prompt")
+        if not all(type(t) is int and 0 <= t < vocab for t in prompt_token_ids):
+            raise RequestError(f"prompt token ids must be integers in [0, {vocab})", field="prompt")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise RequestError(f"the prompt has {len(prompt_token_ids)} tokens; this model's max_model_len "
+                               f"is {self.max_model_len}, which leaves no room for output", field="prompt")
+        block = self.config.block_size
+        key = hash(tuple(prompt_token_ids[:block])) if len(prompt_token_ids) >= block else None
+        index = choose_replica(self._loads(), self._prefix_home.get(key) if key is not None else None)
+        if key is not None:
+            self._prefix_home[key] = index
+        replica = self.replicas[index]
+        self._send(replica, ("add", request_id, text, list(prompt_token_ids), params, arrival_time or time.time()))
+        replica.unfinished.add(request_id)
+        self.requests[request_id] = index
+        return request_id
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        by_replica: dict[int, list[str]] = {}
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            index = self.requests.pop(rid, None)
+            if index is not None:
+                self.replicas[index].unfinished.discard(rid)
+                by_replica.setdefault(index, []).append(rid)
+        for index, ids in by_replica.items():
+            self._send(self.replicas[index], ("abort", ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._pending)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def set_streaming(self, streaming: bool) -> None:
+        """Streaming (the server): replicas send every request's output after each step, and
+        ``step`` waits only briefly so that new requests are not held up. Offline (the default):
+        only finished requests (and first tokens), and ``step`` waits for them."""
+        for replica in self.replicas:
+            self._send(replica, ("mode", not streaming))
+        self._step_timeout = STREAM_WAIT_S if streaming else 60.0
+
+    def validate_params(self, params: SamplingParams) -> None:
+        params.validate(self.config.max_logprobs, vocab_size=self.hf_config.vocab_size, max_n=self.config.max_n)
+
+    def step(self, finished_only: bool = False, timeout: float | None = None) -> list[RequestOutput]:
+        """The outputs the replicas have sent since the last call (waiting up to ``timeout``
+        for at least one message while requests are unfinished)."""
+        timeout = self._step_timeout if timeout is None else timeout
+        outputs, self._pending = self._pending, []
+        if not self.requests:
+            return outputs
+        busy = {r.conn: r for r in self.replicas if r.unfinished}
+        deadline = time.monotonic() + timeout
+        while busy:
+            ready = wait(list(busy), timeout=0.2)
+            for conn in ready:
+                replica = busy[conn]
+                while conn.poll(0):
+                    outputs.extend(self._handle(replica, self._recv(replica, "during a step"), "during a step"))
+            self._check_alive("during a step")
+            if ready or outputs or time.monotonic() > deadline:
+                break
+        return outputs
+
+    # ------------------------------------------------------------------ stats, shutdown
+    def get_stats(self) -> dict[str, Any]:
+        """Sums over the replicas (as of their last reports), and each replica's own under
+        ``data_parallel``."""
+        for replica in self.replicas:
+            replica.stats["num_unfinished"] = len(replica.unfinished)
+        per = [dict(r.stats, replica=r.index, pid=r.proc.pid) for r in self.replicas]
+        summed: dict[str, Any] = {}
+        for stats in per:
+            for key, value in stats.items():
+                if key not in ("replica", "pid") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    summed[key] = summed.get(key, 0) + value
+        summed["data_parallel"] = per
+        return summed
+
+    def replica_pid(self, index: int) -> int:
+        return self.replicas[index].proc.pid
+
+    def shutdown(self) -> None:
+        """Stop the replicas (also done when the front is dropped or the process exits)."""
+        self._finalizer()
+
+
+def _stop(replicas: list[_Replica], listener: Listener) -> None:
+    for replica in replicas:
+        if replica.conn is not None:
+            try:
+                replica.conn.send(("stop",))
+            except OSError:
+                pass
+    deadline = time.monotonic() + 10.0
+    for replica in replicas:
+        try:
+            replica.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            replica.proc.kill()
+            replica.proc.wait()
+        if replica.conn is not None:
+            replica.conn.close()
+    listener.close()
