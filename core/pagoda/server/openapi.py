@@ -189,13 +189,15 @@ class OllamaError(BaseModel):
 
 # Codes of 400s that a schema cannot express (relations between fields, or with the prompt's tokens).
 SEMANTIC_400_CODES = ("context_length_exceeded", "invalid_combination", "chat_template_error", "invalid_prompt",
-                      "invalid_grammar", "token_out_of_vocabulary")
+                      "invalid_grammar", "token_out_of_vocabulary", "unsupported_task")
 
 ERROR_STATUSES = {
     400: "Invalid request: a field of the wrong type or out of range (`param` names it), or one of the codes "
          + ", ".join(f"`{c}`" for c in SEMANTIC_400_CODES) + " (the prompt does not fit the context; fields that "
          "contradict each other; a conversation the chat template refuses; a prompt that tokenizes to nothing; "
-         "a JSON schema, regex or grammar that does not compile; a logit_bias key over the vocabulary)",
+         "a JSON schema, regex or grammar that does not compile; a logit_bias key over the vocabulary; a task the "
+         "served model's runner does not do: generation on a pooling server, embeddings or scores on a generating "
+         "one)",
     401: "API keys are configured and the request has none or a wrong one (code `invalid_api_key`)",
     404: "The model is not the one this server serves (code `model_not_found`)",
     413: "The body is larger than the server's `max_request_bytes` (code `request_too_large`)",
