@@ -100,7 +100,7 @@ class EngineConfig(BaseModel):
         "or the first (CLS) token; default: the model's sentence-transformers 1_Pooling/config.json, else LAST")
     normalize: bool | None = Field(None, description="L2-normalize embeddings; default: true when the model's "
                                    "sentence-transformers modules.json has a Normalize module or has no "
-                                   "modules.json")
+                                   "modules.json (false for a model with a score head)")
     classifier_from_token: list[str] | None = Field(
         None, description="score a causal LM by its logits of these tokens at the last position (Qwen3-Reranker "
         "style): [no, yes] gives sigmoid(logit(yes) - logit(no)); one token gives sigmoid(logit(token)); "
