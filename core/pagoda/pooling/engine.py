@@ -151,16 +151,18 @@ class PoolingEngine:
         params = [self.params.pop(s.request_id) for s in done]
         results: list[torch.Tensor | None] = [None] * len(done)
         scored = [i for i, p in enumerate(params) if p.task != "embed"]
-        if scored:
+        if scored:  # the head on the device, then one copy to the host
             logits = self.head.logits(pooled[scored])
-            probs = self.head.activate(logits)
+            both = torch.stack([logits, self.head.activate(logits)]).cpu()
             for j, i in enumerate(scored):
-                results[i] = probs[j] if params[i].activation else logits[j]
-        for i, p in enumerate(params):
-            if p.task == "embed":
-                vector = pooled[i] if p.dimensions is None else pooled[i, : p.dimensions]
-                normalize = self.pooler_config.normalize if p.normalize is None else p.normalize
-                results[i] = torch.nn.functional.normalize(vector, dim=-1) if normalize else vector
+                results[i] = both[1 if params[i].activation else 0, j]
+        if len(scored) < len(done):
+            host = pooled.cpu()  # one copy for every embedding of the step
+            for i, p in enumerate(params):
+                if p.task == "embed":
+                    vector = host[i] if p.dimensions is None else host[i, : p.dimensions]
+                    normalize = self.pooler_config.normalize if p.normalize is None else p.normalize
+                    results[i] = torch.nn.functional.normalize(vector, dim=-1) if normalize else vector
         now = time.time()
         outputs = []
         for seq, data in zip(done, results):
@@ -168,7 +170,7 @@ class PoolingEngine:
             engine.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)  # frees its blocks now
             engine.runner.forget(seq.seq_id)
             request.metrics.first_token_time = request.metrics.finished_time = now
-            outputs.append(PoolingRequestOutput(request.request_id, PoolingOutput(data.detach().float().cpu()),
+            outputs.append(PoolingRequestOutput(request.request_id, PoolingOutput(data),
                                                 request.prompt_token_ids, True, request.metrics,
                                                 prompt=request.prompt))
         return outputs
