@@ -174,3 +174,16 @@ def test_a_generate_engine_refuses_pooling(decoder):
     llm = LLM(str(decoder), **{**ENGINE, "runner": "generate"})
     with pytest.raises(RequestError, match="--runner pooling"):
         llm.engine.add_request(None, [5, 6], PoolingParams())
+
+
+def test_bench_embed_against_transformers(decoder, tmp_path, capsys):
+    from pagoda.cli.main import main
+
+    out = tmp_path / "embed.json"
+    assert main(["bench", "embed", "--model", str(decoder), "--device", "cpu", "--dtype", "float32",
+                 "--num-prompts", "6", "--input-len", "24", "--repeats", "1", "--baseline", "hf",
+                 "--hf-batch-size", "3", "--check-prompts", "6", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["schema"] == "pagoda.bench.embed/1" and res["baseline"]["prompts"] == 6
+    assert res["check"]["prompts"] == 6 and res["check"]["min_cosine"] > 0.99999
+    assert res["pagoda"]["embeddings_per_s"] > 0 and "speedup" in capsys.readouterr().out
