@@ -187,3 +187,15 @@ def test_bench_embed_against_transformers(decoder, tmp_path, capsys):
     assert res["schema"] == "pagoda.bench.embed/1" and res["baseline"]["prompts"] == 6
     assert res["check"]["prompts"] == 6 and res["check"]["min_cosine"] > 0.99999
     assert res["pagoda"]["embeddings_per_s"] > 0 and "speedup" in capsys.readouterr().out
+
+
+def test_cli_embed_and_score(decoder, capsys):
+    from pagoda.cli.main import main
+
+    args = ["--model", str(decoder), "--device", "cpu", "--dtype", "float32", "--prompt", "hello", "--prompt", "bye"]
+    assert main(["embed", *args, "--dimensions", "4"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["prompt"] for r in rows] == ["hello", "bye"] and all(len(r["embedding"]) == 4 for r in rows)
+    assert main(["embed", *args, "--score-against", "hello"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert rows[0]["score"] == pytest.approx(1.0, abs=1e-5) and rows[1]["score"] < 0.9999
