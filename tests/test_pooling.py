@@ -120,22 +120,24 @@ def test_sentence_transformers_files_set_the_defaults(decoder, hf_hidden, tmp_pa
     assert LLM(str(model), pooling_type="cls", **ENGINE).engine.pooling.pooler.name == "CLS"  # a key wins
 
 
-def make_classifier(directory, num_labels: int):
-    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+def make_classifier(directory, num_labels: int, family: str = "qwen3"):
+    import transformers
 
-    config = Qwen3Config(**QWEN3, num_labels=num_labels, pad_token_id=3)
+    prefix = {"qwen3": "Qwen3", "llama": "Llama"}[family]
+    config = getattr(transformers, f"{prefix}Config")(**QWEN3, num_labels=num_labels, pad_token_id=3)
     torch.manual_seed(5)
-    model = Qwen3ForSequenceClassification(config).eval()
+    model = getattr(transformers, f"{prefix}ForSequenceClassification")(config).eval()
     widen_weights(model)
     model.save_pretrained(directory, safe_serialization=True)
     save_byte_tokenizer(directory, VOCAB)
     return model
 
 
-def test_sequence_classification_scores_and_classes_match_transformers(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_sequence_classification_scores_and_classes_match_transformers(tmp_path, family):
     from transformers import AutoTokenizer
 
-    reranker = make_classifier(tmp_path / "rerank", 1)
+    reranker = make_classifier(tmp_path / "rerank", 1, family)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "rerank")
     llm = LLM(str(tmp_path / "rerank"), **ENGINE)
     query, docs = "what is a pagoda", ["a tiered tower", "a kind of soup with noodles in it", "x"]
@@ -146,6 +148,8 @@ def test_sequence_classification_scores_and_classes_match_transformers(tmp_path)
             want = torch.sigmoid(reranker(input_ids=torch.tensor([ids])).logits[0, 0]).item()
         assert out.outputs.score == pytest.approx(want, abs=1e-5)
         assert out.prompt_token_ids == ids
+    if family != "qwen3":
+        return
     classifier = make_classifier(tmp_path / "classes", 3)
     llm = LLM(str(tmp_path / "classes"), **ENGINE)
     for prompt, out in zip(PROMPTS, llm.classify(PROMPTS)):
@@ -199,3 +203,16 @@ def test_cli_embed_and_score(decoder, capsys):
     assert main(["embed", *args, "--score-against", "hello"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert rows[0]["score"] == pytest.approx(1.0, abs=1e-5) and rows[1]["score"] < 0.9999
+
+
+def test_bare_decoder_checkpoints_and_the_transformers_fallback(decoder, hf_hidden, tmp_path):
+    """A checkpoint saved from the bare decoder (AutoModel: `layers.*`, no LM head, as sentence-transformers'
+    Qwen3-Embedding) loads; the transformers fallback pools the same hidden states."""
+    from transformers import AutoModel, AutoTokenizer
+
+    AutoModel.from_pretrained(decoder, dtype=torch.float32).save_pretrained(tmp_path / "bare")
+    AutoTokenizer.from_pretrained(decoder).save_pretrained(tmp_path / "bare")
+    for path, impl in ((tmp_path / "bare", "auto"), (decoder, "transformers")):
+        llm = LLM(str(path), model_impl=impl, normalize=False, **ENGINE)
+        for prompt, out in zip(PROMPTS[:2], llm.embed(PROMPTS[:2])):
+            assert cosine(out.outputs.embedding, pool(hf_hidden(prompt), "LAST")) > 0.99999

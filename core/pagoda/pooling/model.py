@@ -22,11 +22,14 @@ def is_sequence_classifier(hf_config) -> bool:
 
 
 def pooling_architectures(architectures: list[str]) -> list[str]:
-    """Each ``XForSequenceClassification`` preceded by ``XForCausalLM`` (the class that builds it)."""
+    """Each ``XForSequenceClassification`` (and bare decoder ``XModel``, as AutoModel saves it) preceded
+    by ``XForCausalLM``, the class that builds it."""
     found = []
     for arch in architectures:
         if arch.endswith(CLASSIFIER_SUFFIX):
             found.append(arch[: -len(CLASSIFIER_SUFFIX)] + "ForCausalLM")
+        elif arch.endswith("Model") and not arch.endswith("PreTrainedModel"):
+            found.append(arch[: -len("Model")] + "ForCausalLM")
         found.append(arch)
     return found
 
