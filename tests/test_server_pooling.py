@@ -91,6 +91,12 @@ def test_rerank_and_score_match_transformers(server, reference):
     for r in body["results"]:
         assert r["relevance_score"] == pytest.approx(want[r["index"]], abs=1e-5)
         assert r["document"]["text"] == docs[r["index"]]
+    cohere = httpx.post(server.url + "/v1/rerank", json={"query": query, "documents": [{"text": d} for d in docs],
+                                                         "return_documents": False}, timeout=60).json()
+    assert [r["index"] for r in cohere["results"]] == sorted(range(3), key=lambda i: -want[i])
+    assert all(r["document"] is None for r in cohere["results"])
+    show = httpx.post(server.url + "/api/show", json={"model": MODEL}, timeout=30).json()
+    assert show["capabilities"] == ["embedding"]
     scored = httpx.post(server.url + "/v1/score", json={"text_1": query, "text_2": docs}, timeout=60).json()
     assert [d["score"] for d in scored["data"]] == pytest.approx(want, abs=1e-5)
     bad = httpx.post(server.url + "/v1/score", json={"text_1": ["a", "b"], "text_2": docs}, timeout=60)

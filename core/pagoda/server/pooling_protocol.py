@@ -77,20 +77,21 @@ class ScoreResponse(BaseModel):
     usage: PoolingUsage
 
 
+class RerankDocument(BaseModel):
+    model_config = STRICT
+    text: Text
+
+
 class RerankRequest(BaseModel):
-    """Jina's and Cohere's /v1/rerank."""
+    """Jina's and Cohere's /v1/rerank: documents as strings or as objects with ``text``."""
 
     model_config = STRICT
     model: ModelName | None = None
     query: Text
-    documents: Texts
+    documents: Texts | Annotated[list[RerankDocument], Field(min_length=1, max_length=MAX_INPUTS)]
     top_n: Int | None = Field(None, ge=1, description="return the best N (default: every document)")
     return_documents: bool = True
     truncate_prompt_tokens: Truncate | None = None
-
-
-class RerankDocument(BaseModel):
-    text: str
 
 
 class RerankResult(BaseModel):

@@ -170,11 +170,12 @@ async def rerank(body: RerankRequest, request: Request) -> dict:
     fe: Frontend = request.app.state.frontend
     fe.check_model(body.model)
     fe.check_limits(body)
-    pairs = [(body.query, doc) for doc in body.documents]
-    scores, tokens = await pair_scores(fe, request, pairs, body.truncate_prompt_tokens, "documents")
+    texts = [d if isinstance(d, str) else d.text for d in body.documents]
+    scores, tokens = await pair_scores(fe, request, [(body.query, t) for t in texts], body.truncate_prompt_tokens,
+                                       "documents")
     order = sorted(range(len(scores)), key=lambda i: -scores[i])[: body.top_n]
     results = [{"index": i, "relevance_score": scores[i],
-                "document": {"text": body.documents[i]} if body.return_documents else None} for i in order]
+                "document": {"text": texts[i]} if body.return_documents else None} for i in order]
     return {"id": f"rerank-{uuid.uuid4().hex}", "model": fe.model_name, "usage": {"total_tokens": tokens},
             "results": results}
 
