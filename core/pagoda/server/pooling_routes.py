@@ -110,7 +110,7 @@ async def pair_scores(fe: Frontend, request: Request, pairs: list[tuple[str, str
         if pooling.head.num_labels != 1:
             raise bad_request(f"scores need a model with one label; this one has {pooling.head.num_labels} "
                               f"(a classifier)", param="model", code=UNSUPPORTED)
-        prompts = [fit(fe, pair_token_ids(fe.tokenizer, a, b), truncate, f"{param}[{i}]")
+        prompts = [fit(fe, pair_ids(fe, a, b, f"{param}[{i}]"), truncate, f"{param}[{i}]")
                    for i, (a, b) in enumerate(pairs)]
         data = await pool(fe, request, prompts, PoolingParams(task="score", truncate_prompt_tokens=truncate))
         return [float(d[0]) for d in data], sum(map(len, prompts))
@@ -120,6 +120,15 @@ async def pair_scores(fe: Frontend, request: Request, pairs: list[tuple[str, str
     n = len(pairs)
     scores = [float(torch.nn.functional.cosine_similarity(data[i], data[n + i], dim=0)) for i in range(n)]
     return scores, sum(map(len, firsts + seconds))
+
+
+def pair_ids(fe: Frontend, a: str, b: str, name: str) -> list[int]:
+    if fe.tokenizer is None:
+        raise bad_request("this model has no tokenizer: texts cannot be scored", param=name)
+    ids = pair_token_ids(fe.tokenizer, a, b)
+    if not ids:
+        raise bad_request("the pair of texts tokenizes to no tokens", param=name, code="invalid_prompt")
+    return ids
 
 
 def embed_params(fe: Frontend, dimensions: int | None, normalize: bool | None, truncate: int | None) -> PoolingParams:
