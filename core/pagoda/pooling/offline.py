@@ -86,6 +86,9 @@ def score(llm, text_1, text_2, params: PoolingParams | None = None) -> list[Scor
     pairs = pair_up(text_1, text_2)
     pooling = llm.engine.pooling
     if pooling is not None and pooling.head is not None:
+        if pooling.head.num_labels != 1:
+            raise RequestError(f"scores need a model with one label; this one has {pooling.head.num_labels} "
+                               f"(use LLM.classify)", field="task", code="unsupported_task")
         params = replace(params or PoolingParams(), task="score")
         prompts = [pair_token_ids(llm.tokenizer, a, b) for a, b in pairs]
         outs = encode(llm, prompts, params)
