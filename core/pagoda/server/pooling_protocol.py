@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, Field
 
+from pagoda.server.ollama_protocol import OllamaOptions
 from pagoda.server.openapi import limit
 from pagoda.server.protocol import MAX_NAME_CHARS, STRICT, Int, ModelName, TokenId, integral
 
@@ -120,8 +121,8 @@ class OllamaEmbedRequest(BaseModel):
     input: Text | Texts
     truncate: bool = Field(True, description="keep the last tokens of an input over the context (false: a 400)")
     dimensions: Dimensions | None = None
-    options: dict | None = None  # (nothing in it applies to embeddings)
-    keep_alive: str | int | float | None = None
+    options: OllamaOptions | None = Field(None, description="accepted; none of its keys applies to embeddings")
+    keep_alive: int | float | str | None = Field(None, description="accepted and ignored (the model stays loaded)")
 
 
 class OllamaEmbedResponse(BaseModel):
@@ -138,8 +139,8 @@ class OllamaEmbeddingsRequest(BaseModel):
     model_config = STRICT
     model: ModelName
     prompt: Text
-    options: dict | None = None
-    keep_alive: str | int | float | None = None
+    options: OllamaOptions | None = Field(None, description="accepted; none of its keys applies to embeddings")
+    keep_alive: int | float | str | None = Field(None, description="accepted and ignored (the model stays loaded)")
 
 
 class OllamaEmbeddingsResponse(BaseModel):
