@@ -111,6 +111,20 @@ class EngineConfig(BaseModel):
                                   "may send; a larger one is refused before it is processed")
     mm_processor_kwargs: dict = Field(default_factory=dict, description="options of the model's image processor, "
                                       "e.g. {max_pixels: 1003520} to bound an image's tokens (Qwen2.5-VL)")
+    # pooling models (embeddings, rerankers, classifiers; docs/pooling.md)
+    runner: Literal["generate", "pooling"] = Field(
+        "generate", description="generate: text generation; pooling: embeddings, scores and classes (prefill only, "
+        "no sampling; /v1/embeddings, /v1/rerank, /v1/score, /api/embed)")
+    pooling_type: Literal["LAST", "MEAN", "CLS"] | None = Field(
+        None, description="how a pooling runner pools a prompt's hidden states: LAST token, MEAN of every token, "
+        "or the first (CLS) token; default: the model's sentence-transformers 1_Pooling/config.json, else LAST")
+    normalize: bool | None = Field(None, description="L2-normalize embeddings; default: true when the model's "
+                                   "sentence-transformers modules.json has a Normalize module or has no "
+                                   "modules.json (false for a model with a score head)")
+    classifier_from_token: list[str] | None = Field(
+        None, description="score a causal LM by its logits of these tokens at the last position (Qwen3-Reranker "
+        "style): [no, yes] gives sigmoid(logit(yes) - logit(no)); one token gives sigmoid(logit(token)); "
+        "a comma-separated string is accepted")
 
     @model_validator(mode="before")
     @classmethod
@@ -119,6 +133,26 @@ class EngineConfig(BaseModel):
             data = dict(data)
             data.setdefault("memory_utilization", data.pop("gpu_memory_utilization"))
         return data
+
+    @model_validator(mode="after")
+    def _pooling_on_one_device(self) -> EngineConfig:
+        if self.runner == "pooling" and self.tensor_parallel_size > 1:
+            raise ValueError("runner: pooling runs on one device; set tensor_parallel_size: 1")
+        return self
+
+    @field_validator("classifier_from_token", mode="before")
+    @classmethod
+    def _classifier_tokens(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = [t.strip() for t in v.split(",") if t.strip()]
+        if v is not None and len(v) not in (1, 2):
+            raise ValueError("give one token, or two: [no, yes]")
+        return v
+
+    @field_validator("pooling_type", mode="before")
+    @classmethod
+    def _pooling_type(cls, v: Any) -> Any:
+        return v.upper() if isinstance(v, str) else v
 
     @field_validator("dtype")
     @classmethod
@@ -138,6 +172,7 @@ class EngineConfig(BaseModel):
             parse_speculative_config(v)
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
+        return v
 
     @field_validator("pp_layer_partition", mode="before")
     @classmethod

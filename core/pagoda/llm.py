@@ -106,6 +106,31 @@ class LLM:
                 bar.close()
         return [done[i] for i in ids]
 
+    # ------------------------------------------------------------------ pooling (runner="pooling", docs/pooling.md)
+    def encode(self, prompts, pooling_params=None) -> list:
+        """PoolingRequestOutputs (``.outputs.data``, a tensor) in the order of ``prompts``."""
+        from pagoda.pooling import PoolingParams, offline
+
+        return offline.encode(self, prompts, pooling_params or PoolingParams())
+
+    def embed(self, prompts, pooling_params=None) -> list:
+        """EmbeddingRequestOutputs (``.outputs.embedding``, a list of floats)."""
+        from pagoda.pooling import offline
+
+        return offline.embed(self, prompts, pooling_params)
+
+    def classify(self, prompts, pooling_params=None) -> list:
+        """ClassificationRequestOutputs (``.outputs.probs``) from the model's score head."""
+        from pagoda.pooling import offline
+
+        return offline.classify(self, prompts, pooling_params)
+
+    def score(self, text_1, text_2, pooling_params=None) -> list:
+        """ScoringRequestOutputs (``.outputs.score``) of each (text_1, text_2) pair: 1 x N or N x N."""
+        from pagoda.pooling import offline
+
+        return offline.score(self, text_1, text_2, pooling_params)
+
     def prompt_logits(self, prompt_token_ids: Seq[int]) -> torch.Tensor:
         """Logits [len(prompt), vocab] (float32, on the CPU) of every prompt position, computed
         in one prefill through the paged path. For tests and scoring."""

@@ -5,11 +5,11 @@ from __future__ import annotations
 import importlib
 
 # modules with add_parser(subparsers) for one benchmark each
-BENCH_MODULES = ["pagoda.bench.throughput", "pagoda.bench.latency", "pagoda.bench.serve"]
+BENCH_MODULES = ["pagoda.bench.throughput", "pagoda.bench.latency", "pagoda.bench.serve", "pagoda.bench.embed"]
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: throughput, latency, serve")
+    p = sub.add_parser("bench", help="benchmarks: throughput, latency, serve, embed")
     bench_sub = p.add_subparsers(dest="bench", metavar="KIND")
     for name in BENCH_MODULES:
         try:

@@ -31,7 +31,7 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
         help_text = (field.description or "").replace("%", "%%")
         annotation = field.annotation
         origin_args = typing.get_args(annotation)
-        if annotation is bool:
+        if annotation is bool or annotation == (bool | None):
             group.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)
         elif annotation is int or (int in origin_args and str not in origin_args):

@@ -15,6 +15,7 @@ from pagoda.errors import PagodaError
 COMMAND_MODULES = [
     "pagoda.cli.plugins_cmd",
     "pagoda.cli.generate",
+    "pagoda.cli.embed_cmd",
     "pagoda.cli.models_cmd",
     "pagoda.cli.config_cmd",
     "pagoda.cli.bench",

@@ -89,8 +89,9 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching, windows)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.step_budget.tokens, self.max_model_len,
                                    idle_step_tokens=self.step_budget.idle_tokens)
-        graph_batch = self.speculative.graph_batch_size(config.max_num_seqs) if self.speculative else None
-        self.runner.capture_graphs(graph_batch or config.max_num_seqs, self.max_model_len)
+        if config.runner != "pooling":  # (a pooling runner only prefills: decode graphs would go unused)
+            graph_batch = self.speculative.graph_batch_size(config.max_num_seqs) if self.speculative else None
+            self.runner.capture_graphs(graph_batch or config.max_num_seqs, self.max_model_len)
         # offline steps launched ahead of the host work: every step on one CUDA device
         # (pagoda.engine.pipeline), decode steps of a tensor-parallel engine (pagoda.engine.lookahead)
         self.pipeline: StepPipeline | None = None
@@ -110,6 +111,11 @@ class LLMEngine:
         self._counter = itertools.count()
         self.mm_processor = self._multimodal_processor()  # None: a model that takes no images
         self.times = StepTimes()
+        self.pooling = None  # runner: pooling -> pagoda.pooling.engine.PoolingEngine (prefill-only steps)
+        if config.runner == "pooling":
+            from pagoda.pooling.engine import PoolingEngine
+
+            self.pooling = PoolingEngine(self)
 
     # ------------------------------------------------------------------ setup helpers
     def _max_model_len(self) -> int:
@@ -172,6 +178,12 @@ class LLMEngine:
         """Validate and queue a request. A bad request raises RequestError and changes nothing.
         ``multi_modal_data`` ({"image": image or list}) is processed here; ``mm_inputs``: already
         processed (``process_multimodal``, e.g. by the server off the engine loop)."""
+        if self.pooling is not None or not isinstance(params, (SamplingParams, type(None))):
+            from pagoda.pooling.engine import add_pooling_request  # PoolingParams (pagoda.pooling)
+
+            if multi_modal_data is not None or mm_inputs is not None:
+                raise RequestError("images are not supported by the pooling runner yet", field="prompt")
+            return add_pooling_request(self, request_id, prompt, params, prompt_token_ids, arrival_time)
         params = params or SamplingParams()
         self.validate_params(params)
         if request_id is None:
@@ -239,6 +251,8 @@ class LLMEngine:
         """Run one scheduled step. Returns an output for every request that received tokens,
         or with ``finished_only`` only for those that finished (offline batches: building
         every running request's partial output each step costs host time)."""
+        if self.pooling is not None:  # prefill-only steps: outputs of the requests that finished
+            return self.pooling.step()
         ahead = self.pipeline or self.lookahead
         if ahead is not None and (finished_only or ahead.pending is not None):
             outputs = ahead.step(finished_only)

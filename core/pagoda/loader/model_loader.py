@@ -103,7 +103,14 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
 def build_model(config: EngineConfig, source: ModelSource, hf_config: Any, dtype: torch.dtype,
                 device: torch.device) -> nn.Module:
     architectures = list(getattr(hf_config, "architectures", None) or [])
+    pooling = getattr(config, "runner", "generate") == "pooling"
+    if pooling:  # XForSequenceClassification loads into XForCausalLM (pagoda.pooling.model)
+        from pagoda.pooling.model import as_pooling_model, pooling_architectures
+
+        architectures = pooling_architectures(architectures)
     cls = resolve_model_class(architectures, str(source.path), model_impl=config.model_impl, hf_config=hf_config)
+    if pooling:
+        cls = as_pooling_model(cls, hf_config, config)
     quant_config = resolve_quant_config(hf_config, config, source, torch.device(device))
     with torch.device(device), default_dtype(dtype):
         model = cls(hf_config, quant_config=quant_config, prefix="")

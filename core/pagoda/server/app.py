@@ -20,7 +20,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagoda.engine.async_engine import AsyncEngine
-from pagoda.server import chat_routes, ollama_routes, openai_routes, tokenize_routes
+from pagoda.server import chat_routes, ollama_routes, openai_routes, pooling_routes, tokenize_routes
 from pagoda.server.config import ServerConfig
 from pagoda.server.errors import APIError, install_error_handlers, is_ollama_path
 from pagoda.server.frontend import Frontend
@@ -191,6 +191,7 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig | None = None) ->
     app.include_router(chat_routes.router)
     app.include_router(tokenize_routes.router)
     app.include_router(ollama_routes.router)
+    app.include_router(pooling_routes.router)  # embeddings, score, rerank (runner: pooling)
 
     @app.get("/health", response_model=Health, responses={
         503: {"model": Health, "description": "shutting down (`stopping`), or the engine failed (`error`, with "
@@ -220,7 +221,7 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig | None = None) ->
     app.openapi = openapi
     # (FastAPI keeps included routers as wrappers in app.routes: list their routes directly)
     routes = [r for r in (*openai_routes.router.routes, *chat_routes.router.routes, *ollama_routes.router.routes,
-                          *tokenize_routes.router.routes, *app.routes)
+                          *tokenize_routes.router.routes, *pooling_routes.router.routes, *app.routes)
               if hasattr(r, "path")]
     app.add_middleware(RequestGuard, config=config, metrics=metrics, async_engine=async_engine, routes=routes)
     if config.cors_allow_origins:

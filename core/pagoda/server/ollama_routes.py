@@ -128,6 +128,8 @@ async def show(body: OllamaShowRequest, request: Request) -> dict:
     arch = info["family"]
     capabilities = ["completion"] + (["tools"] if fe.tool_parser is not None else []) + \
         (["thinking"] if fe.reasoning_parser is not None else [])
+    if engine.pooling is not None:  # runner: pooling serves embeddings only (as Ollama's embedding models)
+        capabilities = ["embedding"]
     return {"modelfile": f"FROM {engine.source.path}\n", "parameters": "", "license": "",
             "template": fe.chat_template or getattr(fe.tokenizer, "chat_template", None) or "",
             "details": model_details(info), "modified_at": info["modified_at"], "capabilities": capabilities,

@@ -41,11 +41,13 @@ class ServedLimits:
     max_n: int
     max_logprobs: int
     logits_processors: tuple[str, ...] = ()
+    embedding_size: int = 1 << 20  # the model's hidden size: most `dimensions` of an embedding
 
     @classmethod
     def of(cls, engine, model_name: str) -> ServedLimits:
         return cls((model_name, f"{model_name}:latest"), engine.hf_config.vocab_size, engine.max_model_len,
-                   engine.config.max_n, engine.config.max_logprobs, tuple(sorted(engine.controls.processors)))
+                   engine.config.max_n, engine.config.max_logprobs, tuple(sorted(engine.controls.processors)),
+                   int(getattr(engine.hf_config, "hidden_size", 0) or 1 << 20))
 
     def apply(self, node: Any) -> None:
         """Replace every limit mark in a JSON-schema tree (in place)."""
@@ -137,7 +139,8 @@ _WHY = {"token_id": "the model's vocabulary size - 1", "top_k": "the model's voc
         "logprobs": "the engine's max_logprobs",
         "output_tokens": "the model's context, max_model_len, less one prompt token",
         "prompt_tokens": "the model's context, max_model_len, less one output token",
-        "logits_processor": "the engine key logits_processors"}
+        "logits_processor": "the engine key logits_processors",
+        "dimensions": "the model's embedding size", "context_tokens": "the model's context, max_model_len"}
 
 
 def _typed_branches(node: dict, types: tuple[str, ...]) -> list[dict]:
@@ -162,6 +165,8 @@ _LIMITS = {
     "model": lambda lim: {"enum": list(lim.model_names)},
     "seed": lambda lim: {"minimum": -(2**63), "maximum": 2**63 - 1},  # exact (a float cannot hold 2**63 - 1)
     "logits_processor": lambda lim: {"enum": list(lim.logits_processors)},
+    "dimensions": lambda lim: {"maximum": lim.embedding_size},
+    "context_tokens": lambda lim: {"maximum": lim.max_model_len},
 }
 
 
@@ -189,7 +194,7 @@ class OllamaError(BaseModel):
 
 # Codes of 400s that a schema cannot express (relations between fields, or with the prompt's tokens).
 SEMANTIC_400_CODES = ("context_length_exceeded", "invalid_combination", "chat_template_error", "invalid_prompt",
-                      "invalid_grammar", "token_out_of_vocabulary", "invalid_image")
+                      "invalid_grammar", "token_out_of_vocabulary", "invalid_image", "unsupported_task")
 
 ERROR_STATUSES = {
     400: "Invalid request: a field of the wrong type or out of range (`param` names it), or one of the codes "
@@ -197,7 +202,8 @@ ERROR_STATUSES = {
          "contradict each other; a conversation the chat template refuses; a prompt that tokenizes to nothing; "
          "a JSON schema, regex or grammar that does not compile; a logit_bias key over the vocabulary; an image "
          "that cannot be read or fetched, more images than `limit_mm_per_prompt`, or any image for a text-only "
-         "model, with `param` naming the content part)",
+         "model, with `param` naming the content part; a task the served model's runner does not do: generation "
+         "on a pooling server, embeddings or scores on a generating one)",
     401: "API keys are configured and the request has none or a wrong one (code `invalid_api_key`)",
     404: "The model is not the one this server serves (code `model_not_found`)",
     413: "The body is larger than the server's `max_request_bytes` (code `request_too_large`)",
