@@ -43,9 +43,11 @@ class LLM:
 
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, lora_request: Any = None) -> list[RequestOutput]:
         """Outputs in the order of ``prompts`` (text, or token-id lists). ``use_tqdm``: a progress bar
-        of finished prompts with the input and output token rates, as vLLM's (tqdm, on stderr)."""
+        of finished prompts with the input and output token rates, as vLLM's (tqdm, on stderr).
+        ``lora_request``: a ``pagoda.lora.LoRARequest`` for every prompt, or a list of one per prompt
+        (None entries: the base model); needs ``enable_lora``."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params or SamplingParams()
@@ -53,10 +55,13 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
+        loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(loras)} lora_requests for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(f"llm-{next(self._ids)}", prompt, p))
+            for prompt, p, lora in zip(prompts, params, loras):
+                ids.append(self.engine.add_request(f"llm-{next(self._ids)}", prompt, p, lora_request=lora))
         except Exception:
             self.engine.abort_request(ids)
             raise

@@ -67,6 +67,12 @@ class Sequence:
     # the runner computes the logprob of each prompt token when this sequence prefills (prompt_logprobs:
     # the first sequence of a request that asks; mirrored to tensor-parallel ranks)
     wants_prompt_logprobs: bool = False
+    # the LoRA adapter it runs with (pagoda.lora.LoRARequest), None for the base model
+    lora_request: object | None = None
+
+    @property
+    def lora_int_id(self) -> int:
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -24,6 +24,7 @@ class StepInputs:
     sample_seqs: list[Sequence]
     # KV cache groups 1.. (``pagoda.engine.kv_groups``): (block_tables, slot_mapping) of each
     group_tables: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    lora: object | None = None  # pagoda.lora.manager.LoRAMapping of the step's adapters, if any
 
 
 def build_step_inputs(out: SchedulerOutput, block_size: int, device: torch.device,

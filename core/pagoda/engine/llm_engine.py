@@ -84,7 +84,8 @@ class LLMEngine:
             prefix_caching = False
         self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching, windows)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.step_budget.tokens, self.max_model_len,
-                                   idle_step_tokens=self.step_budget.idle_tokens)
+                                   idle_step_tokens=self.step_budget.idle_tokens,
+                                   max_loras=config.max_loras if config.enable_lora else None)
         self.runner.capture_graphs(config.max_num_seqs, self.max_model_len)
         # offline steps launched ahead of the host work: every step on one CUDA device
         # (pagoda.engine.pipeline), decode steps of a tensor-parallel engine (pagoda.engine.lookahead)
@@ -136,10 +137,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int] | None,
                     params: SamplingParams | None = None, prompt_token_ids: list[int] | None = None,
-                    arrival_time: float | None = None) -> str:
-        """Validate and queue a request. A bad request raises RequestError and changes nothing."""
+                    arrival_time: float | None = None, lora_request: Any = None) -> str:
+        """Validate and queue a request. A bad request raises RequestError and changes nothing.
+        ``lora_request``: a ``pagoda.lora.LoRARequest`` (None: the base model)."""
         params = params or SamplingParams()
         self.validate_params(params)
+        if lora_request is not None:
+            from pagoda.lora.engine_support import check_lora_request
+
+            check_lora_request(self, lora_request)
         if request_id is None:
             request_id = f"req-{next(self._counter)}"
         if request_id in self.requests:
@@ -168,6 +174,7 @@ class LLMEngine:
         self.controls.attach(request, prepared)
         self.requests[request_id] = request
         for seq in request.seqs:
+            seq.lora_request = lora_request
             self.scheduler.add(seq)
         return request_id
 

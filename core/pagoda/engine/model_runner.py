@@ -100,6 +100,11 @@ class ModelRunner:
         self._token_hosts: list[torch.Tensor] | None = None  # pinned token buffers of launch_decode
         self._token_turn = 0
         self.expert_counts: dict[str, torch.Tensor] = {}
+        self.lora = None  # pagoda.lora.manager.LoRAManager with enable_lora
+        if config.enable_lora:
+            from pagoda.lora.engine_support import create_lora_manager
+
+            self.lora = create_lora_manager(self.model, config, self.dtype, device)
 
     # ------------------------------------------------------------------ KV cache
     def kv_cache_dtype(self) -> torch.dtype:
@@ -173,11 +178,14 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ execution
     def _inputs(self, out: SchedulerOutput) -> StepInputs:
-        return build_step_inputs(out, self.config.block_size, self.device, num_groups=self.kv_layout.num_groups)
+        inputs = build_step_inputs(out, self.config.block_size, self.device, num_groups=self.kv_layout.num_groups)
+        if self.lora is not None:
+            inputs.lora = self.lora.mapping(out)
+        return inputs
 
     def _context(self, inputs: StepInputs) -> ForwardContext:
         return prepared_context(inputs.meta, self.backends, token_seq_lens=inputs.token_seq_lens,
-                                group_tables=inputs.group_tables)
+                                group_tables=inputs.group_tables, lora=inputs.lora)
 
     def _accumulate_experts(self, ctx: ForwardContext) -> None:
         found = ctx.expert_counts
@@ -303,6 +311,9 @@ class ModelRunner:
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture decode graphs where the platform and every backend allow it."""
         if self.config.enforce_eager or not self.platform.supports_graphs:
+            return
+        if self.lora is not None:
+            logger.info("graphs off: LoRA adapters run eagerly (enable_lora)")
             return
         if not getattr(self.model, "supports_graphs", True):
             logger.info("graphs off: %s runs eagerly", type(self.model).__name__)
