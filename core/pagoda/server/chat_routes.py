@@ -50,7 +50,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                                 structured_outputs=grammar, rename={"logprobs": "top_logprobs"})
     if output.needs_special_tokens:  # the parser's markers are special tokens: keep them in the text
         params.skip_special_tokens = False
-    stream = await fe.submit(ids, params, text, prefix="chatcmpl")
+    stream = await fe.submit(ids, params, text, prefix="chatcmpl", model=body.model)
     rid = stream.request_id
     if body.stream:
         return event_stream(chat_events(fe, body, stream, rid, output), [stream])

@@ -7,6 +7,7 @@ too), flags. Errors name the file or source and the key.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -49,6 +50,24 @@ class ServerConfig(BaseModel):
                                          "llama3_json, mistral, deepseek_v3, pythonic, a plugin's); auto: from "
                                          "the chat template, else hermes; none: tools only with a forcing "
                                          "tool_choice")
+
+    lora_modules: list[str] = Field(default_factory=list, description="LoRA adapters served by name, NAME=PATH "
+                                    "(a PEFT adapter directory; needs enable_lora); in YAML also a mapping "
+                                    "{NAME: PATH}; a request's model field selects one (docs/lora.md)")
+    enable_lora_runtime_updates: bool = Field(False, description="serve POST /v1/load_lora_adapter and "
+                                              "/v1/unload_lora_adapter (behind the API key), as vLLM's "
+                                              "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _lora_modules(cls, v: Any) -> Any:
+        from pagoda.server.lora_adapters import parse_lora_modules
+
+        if isinstance(v, dict):
+            v = [f"{name}={path}" for name, path in v.items()]
+        v = _as_list(v) if isinstance(v, str) and not v.strip().startswith("{") else ([v] if isinstance(v, str) else v)
+        parse_lora_modules(v)  # a malformed entry is an error naming the key
+        return [json.dumps(i) if isinstance(i, dict) else i for i in v]
 
     @model_validator(mode="before")
     @classmethod

@@ -40,14 +40,16 @@ def sse(obj: dict | str) -> str:
 
 @router.get("/v1/models", response_model=ModelList, responses=error_responses(*READ_ERRORS))
 async def list_models(request: Request) -> dict:
-    return {"object": "list", "data": [model_card(frontend(request))]}
+    fe = frontend(request)
+    return {"object": "list", "data": [model_card(fe), *fe.adapters.cards(fe.created, fe.max_model_len)]}
 
 
 @router.get("/v1/models/{model:path}", response_model=ModelCard, responses=error_responses(*READ_ERRORS, 404))
 async def get_model(model: str, request: Request) -> dict:
     fe = frontend(request)
     fe.check_model(model)
-    return model_card(fe)
+    adapter = next((c for c in fe.adapters.cards(fe.created, fe.max_model_len) if c["id"] == model), None)
+    return adapter or model_card(fe)
 
 
 def model_card(fe: Frontend) -> dict:
@@ -55,12 +57,12 @@ def model_card(fe: Frontend) -> dict:
             "root": fe.model_name, "max_model_len": fe.max_model_len}
 
 
-async def submit_all(fe: Frontend, items: list[tuple], prefix: str) -> list[RequestStream]:
+async def submit_all(fe: Frontend, items: list[tuple], prefix: str, model: str | None = None) -> list[RequestStream]:
     """Submit (prompt text, ids, params) items; if one is refused, abort the ones already in."""
     streams: list[RequestStream] = []
     try:
         for text, ids, params in items:
-            streams.append(await fe.submit(ids, params, text, prefix=prefix))
+            streams.append(await fe.submit(ids, params, text, prefix=prefix, model=model))
     except BaseException:
         for s in streams:
             s.close()
@@ -95,7 +97,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         if body.echo and body.logprobs is not None:  # the prompt's own logprobs, from the prefill
             params.prompt_logprobs = max(body.logprobs, params.prompt_logprobs or 0)
         items.append((text, ids, params))
-    streams = await submit_all(fe, items, "cmpl")
+    streams = await submit_all(fe, items, "cmpl", model=body.model)
     rid = f"cmpl-{uuid.uuid4().hex}"
     echo = [echo_text(fe, text, ids) if body.echo else "" for text, ids, _ in items]
     if body.stream:
