@@ -74,6 +74,17 @@ def test_mixed_batch_matches_peft_under_chunking_preemption_and_prefix_caching(m
     assert expected["a1"] != expected["base"] != expected["a2"]
 
 
+@pytest.mark.gpu
+def test_mixed_batch_matches_peft_on_the_gpu(models, prompts, expected):
+    """The same mixed batch through the CUDA platform: the Triton shrink/expand kernels."""
+    by_name = requests(models)
+    names = [n for n in ("a2", "base", "a1") for _ in prompts]
+    llm = LLM(model=str(models[0]), device="cuda", dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
+              block_size=8, num_kv_blocks=64, max_num_batched_tokens=24, max_model_len=112)
+    outs = llm.generate(prompts * 3, GREEDY, lora_request=[by_name[n] for n in names])
+    assert [o.outputs[0].token_ids for o in outs] == [t for n in ("a2", "base", "a1") for t in expected[n]]
+
+
 def test_adapter_id_enters_the_prefix_cache(models, prompts):
     base = models[0]
     by_name = requests(models)
@@ -146,3 +157,18 @@ def test_reference_ops_match_a_per_token_loop():
         if slot >= 0:
             want[i] += b[slot] @ (a[slot] @ x[i])
     torch.testing.assert_close(got, want)
+
+
+def test_bench_throughput_with_adapters(models, tmp_path, capsys):
+    from pagoda.cli.main import main
+
+    out = tmp_path / "r.json"
+    code = main(["bench", "throughput", "--model", str(models[0]), "--device", "cpu", "--dtype", "float32",
+                 "--num-prompts", "4", "--input-len", "8", "--output-len", "4", "--ignore-eos", "--repeats", "1",
+                 "--warmup-prompts", "0", "--lora", "3", "--lora-rank", "4", "--bandwidth-gbs", "10",
+                 "--matmul-tflops", "0.1", "--json", str(out)])
+    assert code == 0
+    assert "3 LoRA adapters of rank 4" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert res["engine_config"]["enable_lora"] and res["engine_config"]["max_loras"] == 3
+    assert res["best"]["output_tokens"] == 16

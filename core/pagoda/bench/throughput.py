@@ -54,6 +54,9 @@ def add_parser(sub) -> None:
     p.add_argument("--save-expert-placement", metavar="FILE", help="with enable_expert_parallel: write the "
                    "balanced expert placement computed from this run's expert load (then pass it as "
                    "--expert-placement)")
+    p.add_argument("--lora", type=int, default=0, metavar="N", help="N distinct random LoRA adapters (all q/k/v/o "
+                   "and gate/up/down projections), one per prompt round-robin (sets enable_lora and max_loras=N)")
+    p.add_argument("--lora-rank", type=int, default=16, help="rank of the --lora adapters (default 16)")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -66,7 +69,7 @@ def _prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return rng.integers(low, vocab, size=(num, length)).tolist()
 
 
-def _one_run(llm, prompts, params) -> dict:
+def _one_run(llm, prompts, params, loras=None) -> dict:
     from pagoda.engine.llm_engine import StepTimes
 
     engine = llm.engine
@@ -76,7 +79,7 @@ def _one_run(llm, prompts, params) -> dict:
     ahead0 = lookahead.launched_ahead if lookahead is not None else 0
     engine.platform.synchronize()
     t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    outputs = llm.generate(prompts, params, lora_request=_per_prompt(loras, len(prompts)))
     engine.platform.synchronize()
     elapsed = time.perf_counter() - t0
     out_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
@@ -91,6 +94,11 @@ def _one_run(llm, prompts, params) -> dict:
         "steps_launched_ahead": (lookahead.launched_ahead - ahead0) if lookahead is not None else 0,
         "latency_ms": request_latencies(outputs),
     }
+
+
+def _per_prompt(loras, n: int):
+    """--lora: the adapters round-robin over ``n`` prompts; None without."""
+    return [loras[i % len(loras)] for i in range(n)] if loras else None
 
 
 def request_latencies(outputs) -> dict:
@@ -127,6 +135,9 @@ def _build_config(args, tmp: str):
                      skip_tokenizer_init=True)
     if args.max_model_len is None:
         extra["max_model_len"] = args.input_len + args.output_len
+    if args.lora:
+        extra.update(enable_lora=True, max_loras=args.max_loras or args.lora,
+                     max_lora_rank=max(args.max_lora_rank or 0, args.lora_rank))
     return engine_config_from_args(args, **extra)
 
 
@@ -149,15 +160,24 @@ def run(args) -> int:
         vocab = hf_config.vocab_size
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=args.ignore_eos,
                                 detokenize=False)
+        loras = None
+        if args.lora:
+            from pagoda.bench.lora_adapters import write_random_adapters
+            from pagoda.lora import LoRARequest
+
+            paths = write_random_adapters(hf_config, Path(tmp) / "loras", args.lora, args.lora_rank)
+            loras = [LoRARequest(f"bench-{i}", i + 1, str(p)) for i, p in enumerate(paths)]
         if args.warmup_prompts is None:
             args.warmup_prompts = args.num_prompts
         if args.warmup_prompts:
             warm = SamplingParams(temperature=0.0, max_tokens=min(8, args.output_len), ignore_eos=True,
                                   detokenize=False)
-            llm.generate(_prompts(args.warmup_prompts, args.input_len, vocab, args.prompt_seed + 999), warm)
+            llm.generate(_prompts(args.warmup_prompts, args.input_len, vocab, args.prompt_seed + 999), warm,
+                         lora_request=_per_prompt(loras, args.warmup_prompts))
         runs = []
         for r in range(args.repeats):
-            runs.append(_one_run(llm, _prompts(args.num_prompts, args.input_len, vocab, args.prompt_seed + r), params))
+            runs.append(_one_run(llm, _prompts(args.num_prompts, args.input_len, vocab, args.prompt_seed + r), params,
+                                 loras))
         best = max(runs, key=lambda x: x["output_tok_s"])
         stats = llm.get_stats()
         experts = stats.get("expert_load")
@@ -199,6 +219,7 @@ def run(args) -> int:
                       "attention_backends": {k: b.name for k, b in runner.backends.items()},
                       "cuda_graphs": runner.graphs is not None},
             "workload": {**asdict(work), "ignore_eos": args.ignore_eos, "repeats": args.repeats,
+                         "lora_adapters": args.lora, "lora_rank": args.lora_rank if args.lora else None,
                          "warmup_prompts": args.warmup_prompts, "step_tokens": engine.scheduler.max_num_batched_tokens},
             "engine_config": config.model_dump(mode="json"),
             "setup_seconds": setup_s,
@@ -292,7 +313,8 @@ def format_result(res: dict) -> list[str]:
     lines = [
         f"pagoda bench throughput: {name} ({res['model']['architecture']}), {w['num_prompts']} prompts x "
         f"{w['input_len']} in x {w['output_len']} out, {res['dtype']} on {res['device']}"
-        f"{_kv_cache_note(res)}",
+        f"{_kv_cache_note(res)}" + (f", {w['lora_adapters']} LoRA adapters of rank {w['lora_rank']}"
+                                    if w.get("lora_adapters") else ""),
         f"  requests/s       {best['requests_per_s']:,.2f}",
         f"  output tok/s     {best['output_tok_s']:,.0f}   (runs: {spread})",
         f"  total tok/s      {best['total_tok_s']:,.0f}",
