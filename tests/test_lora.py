@@ -85,6 +85,29 @@ def test_mixed_batch_matches_peft_on_the_gpu(models, prompts, expected):
     assert [o.outputs[0].token_ids for o in outs] == [t for n in ("a2", "base", "a1") for t in expected[n]]
 
 
+def test_decode_graph_inputs_carry_each_rows_adapter_slot(models, prompts):
+    """Decode graphs (CUDA) read each row's adapter slot from a static buffer row that the step fills:
+    the slot of the row's adapter, -1 for base rows and for the bucket's padding rows."""
+    from pagoda.engine.graphs import DecodeGraphs
+
+    by_name = requests(models)
+    llm = LLM(model=str(models[0]), device="cpu", dtype="float32", enable_lora=True, max_loras=2, block_size=8,
+              num_kv_blocks=64, max_num_seqs=8)
+    engine = llm.engine
+    names = ["a2", "base", "a1"]
+    for i, name in enumerate(names):
+        engine.add_request(f"r{i}", prompts[i], GREEDY, lora_request=by_name[name])
+    engine.step()  # the prefills
+    out = engine.scheduler.schedule()
+    assert out.num_decodes == len(names)
+    graphs = DecodeGraphs(engine.runner, 8, 112)
+    graphs._fill(out, 4)
+    slots = engine.runner.lora.slots
+    want = [slots[by_name[n].lora_int_id] if by_name[n] else -1 for n in names] + [-1]
+    assert graphs.np64[2 + graphs.num_groups, :4].tolist() == want
+    engine.abort_request([f"r{i}" for i in range(len(names))])
+
+
 def test_adapter_id_enters_the_prefix_cache(models, prompts):
     base = models[0]
     by_name = requests(models)

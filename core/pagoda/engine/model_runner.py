@@ -312,9 +312,6 @@ class ModelRunner:
         """Capture decode graphs where the platform and every backend allow it."""
         if self.config.enforce_eager or not self.platform.supports_graphs:
             return
-        if self.lora is not None:
-            logger.info("graphs off: LoRA adapters run eagerly (enable_lora)")
-            return
         if not getattr(self.model, "supports_graphs", True):
             logger.info("graphs off: %s runs eagerly", type(self.model).__name__)
             return

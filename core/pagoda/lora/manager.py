@@ -122,13 +122,20 @@ class LoRAManager:
             self.slots[lora_id] = slot
         return {i: self.slots[i] for i in wanted}
 
-    def mapping(self, out) -> LoRAMapping | None:
-        """The step's token -> slot map (None when no scheduled sequence uses an adapter)."""
+    def sequence_slots(self, out) -> np.ndarray | None:
+        """The slot of each scheduled sequence's adapter (-1: the base), its adapters made
+        resident; None when no sequence uses one."""
         requests = [it.seq.lora_request for it in out.scheduled if it.seq.lora_request is not None]
         if not requests:
             return None
         slots = self.activate(requests)
-        per_seq = np.fromiter((-1 if it.seq.lora_request is None else slots[it.seq.lora_request.lora_int_id]
-                               for it in out.scheduled), np.int64, len(out.scheduled))
+        return np.fromiter((-1 if it.seq.lora_request is None else slots[it.seq.lora_request.lora_int_id]
+                            for it in out.scheduled), np.int64, len(out.scheduled))
+
+    def mapping(self, out) -> LoRAMapping | None:
+        """The step's token -> slot map (None when no scheduled sequence uses an adapter)."""
+        per_seq = self.sequence_slots(out)
+        if per_seq is None:
+            return None
         counts = np.fromiter((it.num_new_tokens for it in out.scheduled), np.int64, len(out.scheduled))
         return LoRAMapping(upload(np.repeat(per_seq, counts), self.device), True)
