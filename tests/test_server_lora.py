@@ -61,7 +61,9 @@ def test_model_field_selects_the_adapter(server, files):
     base, sql, _ = files
     want_sql, want_base = (peft_greedy_tokens(base, a, [PROMPT], 6)[0] for a in (sql, None))
     assert want_sql != want_base
-    got_sql, got_base = tokens_of(complete(server, "sql")), tokens_of(complete(server, "tiny"))
+    sql_reply = complete(server, "sql")
+    assert sql_reply.json()["model"] == "sql"  # as vLLM: the reply names the adapter
+    got_sql, got_base = tokens_of(sql_reply), tokens_of(complete(server, "tiny"))
     assert got_sql == want_sql
     assert got_base == want_base
 

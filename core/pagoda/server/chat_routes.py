@@ -66,7 +66,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         message, called = output.message(c.text)
         choices.append({"index": c.index, "message": message, "logprobs": logprobs,
                         "finish_reason": "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason})
-    reply = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": fe.model_name,
+    reply = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": fe.reply_model(body.model),
              "choices": choices, "usage": usage_sum([out])}
     if body.prompt_logprobs is not None:
         reply["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
@@ -76,12 +76,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 async def chat_events(fe: Frontend, body: ChatCompletionRequest, stream: RequestStream, rid: str,
                       output: ChatOutput) -> AsyncIterator[str]:
     created = int(time.time())
+    model = fe.reply_model(body.model)
     tracker = DeltaTracker.for_stops(_stops(body.stop))
     usage_field = {"usage": None} if body.include_usage else {}
     final = None
 
     def chunk(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> str:
-        return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": fe.model_name,
+        return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                     "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
                     **usage_field})
 
@@ -113,5 +114,5 @@ async def chat_events(fe: Frontend, body: ChatCompletionRequest, stream: Request
     if final is None or not final.finished:
         raise APIError(503, "the request was aborted before it finished", code="aborted")
     if body.include_usage:
-        yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": fe.model_name,
+        yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                    "choices": [], "usage": usage_sum([final])})

@@ -83,6 +83,10 @@ class Frontend:
         raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                        param="model", code="model_not_found")
 
+    def reply_model(self, name: str | None) -> str:
+        """The ``model`` of a reply: the LoRA adapter the request named, else the served model."""
+        return name if name in self.adapters.by_name else self.model_name
+
     def check_limits(self, body) -> None:
         """The limits the document states for the served model (token ids, top_k, n, logprobs,
         output and prompt lengths), enforced on a parsed body: 400 naming the field."""

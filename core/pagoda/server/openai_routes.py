@@ -114,8 +114,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             if body.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
             choices.append(choice)
-    return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()), "model": fe.model_name,
-                         "choices": choices, "usage": usage_sum(outs)})
+    return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
+                         "model": fe.reply_model(body.model), "choices": choices, "usage": usage_sum(outs)})
 
 
 def choice_logprobs(fe: Frontend, body: CompletionRequest, out: RequestOutput, c, echo: str) -> dict | None:
@@ -138,6 +138,7 @@ def echo_text(fe: Frontend, text: str | None, ids: list[int]) -> str:
 async def completion_events(fe: Frontend, body: CompletionRequest, streams: list[RequestStream], rid: str,
                             echo: list[str]) -> AsyncIterator[str]:
     created = int(time.time())
+    model = fe.reply_model(body.model)
     trackers = [DeltaTracker.for_stops(_stops(body.stop)) for _ in streams]
     offsets: dict[tuple[int, int], int] = {}  # (prompt, completion) -> text offset of the next token
     finished: set[tuple[int, int]] = set()
@@ -145,7 +146,7 @@ async def completion_events(fe: Frontend, body: CompletionRequest, streams: list
     usage_field = {"usage": None} if body.include_usage else {}
 
     def chunk(choice: dict) -> str:
-        return sse({"id": rid, "object": "text_completion", "created": created, "model": fe.model_name,
+        return sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                     "choices": [choice], **usage_field})
 
     echoed: set[int] = set()  # prompts whose echo went out (with logprobs it waits for the prefill's)
@@ -185,7 +186,7 @@ async def completion_events(fe: Frontend, body: CompletionRequest, streams: list
     if len(finals) < len(streams):
         raise APIError(503, "the request was aborted before it finished", code="aborted")
     if body.include_usage:
-        yield sse({"id": rid, "object": "text_completion", "created": created, "model": fe.model_name,
+        yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                    "choices": [], "usage": usage_sum([finals[p] for p in sorted(finals)])})
 
 
