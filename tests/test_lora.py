@@ -25,7 +25,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
-    base = make_tiny_checkpoint("llama", root / "base", seed=3, **TINY)
+    base = make_tiny_checkpoint("llama", root / "base", seed=3, tokenizer=True, **TINY)
     # two ranks, all seven projections vs. a subset of the fused pieces, plain vs. rsLoRA scaling
     a1 = make_peft_adapter(base, root / "a1", r=4, lora_alpha=8, seed=1)
     a2 = make_peft_adapter(base, root / "a2", r=8, lora_alpha=16, target_modules=("q_proj", "v_proj", "up_proj",
@@ -180,6 +180,19 @@ def test_reference_ops_match_a_per_token_loop():
         if slot >= 0:
             want[i] += b[slot] @ (a[slot] @ x[i])
     torch.testing.assert_close(got, want)
+
+
+def test_generate_cli_with_an_adapter(models, capsys):
+    from pagoda.cli.main import main
+    from transformers import AutoTokenizer
+
+    base, a1, _ = models
+    code = main(["generate", "--model", str(base), "--device", "cpu", "--dtype", "float32", "--prompt", "Hello",
+                 "--max-tokens", "6", "--ignore-eos", "--json", "--lora", str(a1), "--num-kv-blocks", "32"])
+    assert code == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["outputs"][0]["token_ids"]
+    prompt = AutoTokenizer.from_pretrained(str(base)).encode("Hello", add_special_tokens=True)
+    assert got == peft_greedy_tokens(base, a1, [prompt], 6)[0]
 
 
 def test_bench_throughput_with_adapters(models, tmp_path, capsys):

@@ -68,13 +68,14 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, use_tqdm: bool = False,
+             lora_request: Any = None) -> list[RequestOutput]:
         from pagoda.tokenizer import apply_chat_template
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [apply_chat_template(self.tokenizer, conv, add_generation_prompt) for conv in conversations]
         token_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        return self.generate(token_ids, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(token_ids, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run(self, ids: list[str], use_tqdm: bool = False) -> list[RequestOutput]:
         wanted = set(ids)
