@@ -108,6 +108,22 @@ def test_decode_graph_inputs_carry_each_rows_adapter_slot(models, prompts):
     engine.abort_request([f"r{i}" for i in range(len(names))])
 
 
+@pytest.mark.timeout(300)
+def test_tensor_parallel_mixed_batch_matches_peft(models, prompts, expected):
+    """TP=2 on gloo: each rank shards A and B with its weights; steps carry each sequence's adapter."""
+    by_name = requests(models)
+    names = [n for n in ("base", "a2", "a1") for _ in prompts]
+    llm = LLM(model=str(models[0]), device="cpu", dtype="float32", tensor_parallel_size=2, enable_lora=True,
+              max_loras=2, max_lora_rank=8, block_size=8, num_kv_blocks=14, max_num_batched_tokens=24,
+              max_model_len=112)
+    try:
+        outs = llm.generate(prompts * 3, GREEDY, lora_request=[by_name[n] for n in names])
+        assert [o.outputs[0].token_ids for o in outs] == [t for n in ("base", "a2", "a1") for t in expected[n]]
+        assert llm.get_stats()["num_preemptions"] > 0
+    finally:
+        llm.shutdown()
+
+
 def test_adapter_id_enters_the_prefix_cache(models, prompts):
     base = models[0]
     by_name = requests(models)

@@ -308,6 +308,13 @@ class ModelRunner:
         """A sequence finished or was aborted: drop its per-sequence state."""
         self.sampler.forget(seq_id)
 
+    def load_lora(self, request) -> None:
+        """Register and check a LoRA adapter (``LLMEngine.add_request``; on every tensor-parallel rank)."""
+        self.lora.load(request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.lora.remove(lora_int_id)
+
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture decode graphs where the platform and every backend allow it."""
         if self.config.enforce_eager or not self.platform.supports_graphs:

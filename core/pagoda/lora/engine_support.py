@@ -13,12 +13,8 @@ from pagoda.lora.request import LoRARequest
 
 
 def create_lora_manager(model: torch.nn.Module, config: Any, dtype: torch.dtype, device: torch.device) -> LoRAManager:
-    from pagoda.distributed import get_tp_size
     from pagoda.loader.weights import LLAMA_STACKED
 
-    if config.tensor_parallel_size > 1 or get_tp_size() > 1:
-        raise ConfigError("enable_lora: LoRA adapters are not served with tensor_parallel_size > 1 yet (the layers "
-                          "shard A and B, but steps do not carry adapters to the other ranks); use one device")
     stacked = getattr(model, "lora_stacked", LLAMA_STACKED)  # (fused layer, checkpoint module, piece)
     manager = LoRAManager(model, stacked, config.max_loras, config.max_lora_rank, config.max_cpu_loras, dtype, device)
     if not manager.layers:
@@ -36,6 +32,25 @@ def check_lora_request(engine: Any, request: Any) -> None:
         raise RequestError(f"LoRA adapter {request.lora_name!r} requested but this engine was started without "
                            f"enable_lora (--enable-lora)", field="lora_request")
     try:
-        manager.load(request)
+        register_lora(engine, request)
     except LoRAError as e:
         raise RequestError(str(e), field="lora_request") from None
+
+
+def register_lora(engine: Any, request: LoRARequest) -> None:
+    """Load and check an adapter on rank 0, then (first time, tensor parallel) on every other rank,
+    which read it from the same path and shard it. Raises LoRAError."""
+    manager = engine.runner.lora
+    first = request.lora_int_id not in manager.known
+    manager.load(request)  # rank 0 checks it first: the other ranks then read a good adapter
+    if first and hasattr(type(engine.runner), "call"):
+        engine.runner.call("load_lora", request)
+
+
+def remove_lora(engine: Any, lora_int_id: int) -> None:
+    """Forget an adapter on every rank (the server's unload)."""
+    runner = engine.runner
+    if hasattr(type(runner), "call"):
+        runner.call("remove_lora", lora_int_id)
+    else:
+        runner.remove_lora(lora_int_id)

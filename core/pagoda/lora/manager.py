@@ -79,9 +79,9 @@ class LoRAManager:
         return adapter
 
     def remove(self, lora_int_id: int) -> None:
-        """Forget an adapter (unloaded by the server): its CPU copy and its slot."""
+        """Drop an adapter (unloaded by the server): its CPU copy and its slot. Its id stays known
+        (sequences still running with it reload it; ids are never reused)."""
         self.cpu.pop(lora_int_id, None)
-        self.known.pop(lora_int_id, None)
         slot = self.slots.pop(lora_int_id, None)
         if slot is not None:
             self._clear(slot)
