@@ -89,6 +89,16 @@ def test_runtime_load_and_unload_behind_the_api_key(server, files):
     assert httpx.post(unload, headers=AUTH, json={"lora_name": "chat"}).status_code == 404
 
 
+def test_lora_keys_need_enable_lora(files):
+    from pagoda.errors import ConfigError
+
+    engine = EngineConfig(model=str(files[0]), device="cpu", dtype="float32", num_kv_blocks=32, block_size=8)
+    for server_config in (ServerConfig(lora_modules=[f"sql={files[1]}"]),
+                          ServerConfig(enable_lora_runtime_updates=True)):
+        with pytest.raises(ConfigError, match="needs the engine key enable_lora"):
+            build_app(engine, server_config)
+
+
 def test_lora_modules_flag_and_yaml_forms(tmp_path):
     from pagoda.cli.serve import add_server_args, server_config_from_args
 

@@ -65,7 +65,8 @@ class Frontend:
         self.limits = ServedLimits.of(engine, self.model_name)
         from pagoda.server.lora_adapters import ServedAdapters, parse_lora_modules
 
-        self.adapters = ServedAdapters(engine, self.model_name, parse_lora_modules(config.lora_modules))
+        self.adapters = ServedAdapters(engine, self.model_name, parse_lora_modules(config.lora_modules),
+                                       config.enable_lora_runtime_updates)
         self.limits = self.adapters.served_limits(self.limits, config.enable_lora_runtime_updates)
 
     # ------------------------------------------------------------------ request checks

@@ -50,12 +50,14 @@ def parse_lora_modules(items: list[Any]) -> dict[str, str]:
 class ServedAdapters:
     """The adapters the server knows by name; ids are never reused (they key the prefix cache)."""
 
-    def __init__(self, engine, base_name: str, modules: dict[str, str]):
+    def __init__(self, engine, base_name: str, modules: dict[str, str], runtime_updates: bool = False):
         self.engine, self.base_name = engine, base_name
         self.by_name: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
-        if modules and not engine.config.enable_lora:
-            raise ConfigError("lora_modules (--lora-modules) needs the engine key enable_lora (--enable-lora)")
+        for key, used in (("lora_modules (--lora-modules)", modules),
+                          ("enable_lora_runtime_updates (--enable-lora-runtime-updates)", runtime_updates)):
+            if used and not engine.config.enable_lora:
+                raise ConfigError(f"{key} needs the engine key enable_lora (--enable-lora)")
         for name, path in modules.items():
             if name in (base_name, f"{base_name}:latest"):
                 raise ConfigError(f"lora_modules: {name!r} is the base model's name")
