@@ -33,7 +33,7 @@ for n in $COUNTS; do
   case $n in 0) lora=() ;; 0e) lora=(--enforce-eager) ;; *) lora=(--lora "$n" --lora-rank 16) ;; esac
   say "bench $SHAPE, 64 prompts, $n adapters"
   timeout 50 $PY -m pagoda.cli.main bench throughput --shape "$SHAPE" --num-prompts 64 --input-len "$INPUT" \
-    --output-len "$OUTPUT" --ignore-eos --repeats 2 --warmup-prompts 64 --bandwidth-gbs 4800 --matmul-tflops 990 \
+    --output-len "$OUTPUT" --ignore-eos --repeats 2 --warmup-prompts 64 --max-num-seqs 64 --bandwidth-gbs 4800 --matmul-tflops 990 \
     --json "$RES/bench-$n.json" "${lora[@]}" >"$RES/bench-$n.txt" 2>&1 || say "bench with $n adapters failed or timed out"
   grep -E "output tok/s" "$RES/bench-$n.txt" | head -1 | tee -a "$RES/lora.log"
 done
