@@ -38,6 +38,12 @@ def chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
+def root_hash(lora_int_id: int) -> int:
+    """The parent of a sequence's first block: the LoRA adapter's id enters every chain (the same
+    tokens under two adapters have different K/V, so they never share cached blocks)."""
+    return NO_PARENT if lora_int_id == 0 else chain_hash(NO_PARENT, (-1, lora_int_id))
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  windows: tuple[int | None, ...] = (None,)):
@@ -97,7 +103,7 @@ class BlockManager:
         """(cache key, hash) of full blocks ``start..end-1`` of ``seq``, one at a time (a lookup
         stops hashing at its first miss); blocks before ``start`` must already be hashed in
         ``seq.block_hashes``."""
-        parent = seq.block_hashes[start - 1] if start > 0 else NO_PARENT
+        parent = seq.block_hashes[start - 1] if start > 0 else root_hash(seq.lora_int_id)
         bs = self.block_size
         for i in range(start, end):
             key = (parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))

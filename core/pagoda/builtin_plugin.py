@@ -62,6 +62,8 @@ def register_kernels(register):
 
     for op in OPS:
         register(op, "*", f"pagoda.kernels.reference:{op}", priority=0)
+    for op in ("lora_shrink", "lora_expand"):  # pagoda.lora.ops, the batched LoRA update
+        register(op, "*", f"pagoda.lora.ops:{op}", priority=0)
 
 
 @hookimpl

@@ -125,6 +125,14 @@ class EngineConfig(BaseModel):
         None, description="score a causal LM by its logits of these tokens at the last position (Qwen3-Reranker "
         "style): [no, yes] gives sigmoid(logit(yes) - logit(no)); one token gives sigmoid(logit(token)); "
         "a comma-separated string is accepted")
+    # LoRA adapters (pagoda.lora, docs/lora.md)
+    enable_lora: bool = Field(False, description="serve PEFT LoRA adapters on top of the base model (requests "
+                              "name one with lora_request / the server's model field)")
+    max_loras: int = Field(1, gt=0, description="adapters resident on the device at once (slots): the most "
+                           "distinct adapters one step runs; others wait, the least recently used is evicted")
+    max_lora_rank: int = Field(16, gt=0, description="largest adapter rank r accepted; slots are sized for it")
+    max_cpu_loras: int | None = Field(None, gt=0, description="adapters kept parsed in host memory (least "
+                                      "recently used dropped first); default: max_loras")
 
     @model_validator(mode="before")
     @classmethod

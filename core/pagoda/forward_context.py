@@ -71,6 +71,8 @@ class ForwardContext:
     # (kind, KV cache group > 0) -> that group's metadata: its own block tables and slot mapping
     # (``pagoda.engine.kv_groups``; models mixing sliding-window and global layers)
     group_metadata: dict[tuple[str, int], AttentionMetadata] = field(default_factory=dict)
+    # the step's LoRA adapters (pagoda.lora.manager.LoRAMapping: token -> slot); None without adapters
+    lora: Any = None
 
     def metadata_for(self, kind: str, group: int = 0) -> AttentionMetadata | None:
         if group:

@@ -48,11 +48,13 @@ class LLM:
 
     def generate(self, prompts: str | dict | list[str] | list[dict] | list[int] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, lora_request: Any = None) -> list[RequestOutput]:
         """Outputs in the order of ``prompts`` (text, or token-id lists). ``use_tqdm``: a progress bar
         of finished prompts with the input and output token rates, as vLLM's (tqdm, on stderr). A prompt
         may be a dict as vLLM's: {"prompt": text | "prompt_token_ids": ids, "multi_modal_data": {"image": ...}}
-        (docs/multimodal.md)."""
+        (docs/multimodal.md).
+        ``lora_request``: a ``pagoda.lora.LoRARequest`` for every prompt, or a list of one per prompt
+        (None entries: the base model); needs ``enable_lora``."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params or SamplingParams()
@@ -60,19 +62,24 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
+        loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(loras)} lora_requests for {len(prompts)} prompts")
         ids = []
         try:
             from pagoda.multimodal.prompts import prepare_prompts
 
-            for (prompt, kwargs), p in zip(prepare_prompts(self.engine, prompts), params):
-                ids.append(self.engine.add_request(f"llm-{next(self._ids)}", prompt, p, **kwargs))
+            for (prompt, kwargs), p, lora in zip(prepare_prompts(self.engine, prompts), params, loras):
+                ids.append(self.engine.add_request(f"llm-{next(self._ids)}", prompt, p, lora_request=lora,
+                                                   **kwargs))
         except Exception:
             self.engine.abort_request(ids)
             raise
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, use_tqdm: bool = False,
+             lora_request: Any = None) -> list[RequestOutput]:
         from pagoda.multimodal.prompts import chat_prompt
         from pagoda.tokenizer import apply_chat_template
 
@@ -82,7 +89,7 @@ class LLM:
 
         # token ids, or {"prompt_token_ids", "multi_modal_data"} when a conversation has images
         prompts = [chat_prompt(self.engine, conv, render) for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run(self, ids: list[str], use_tqdm: bool = False) -> list[RequestOutput]:
         wanted = set(ids)

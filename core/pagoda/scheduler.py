@@ -51,7 +51,7 @@ PENDING_TOKEN = -1
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, idle_step_tokens: int | None = None):
+                 max_model_len: int, idle_step_tokens: int | None = None, max_loras: int | None = None):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -59,6 +59,8 @@ class Scheduler:
         # budget above is a stall bound for decoding streams (pagoda.engine.step_budget)
         self.idle_step_tokens = idle_step_tokens
         self.max_model_len = max_model_len
+        # LoRA: the most distinct adapters among running sequences (a step's adapters all fit the slots)
+        self.max_loras = max_loras
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
@@ -147,8 +149,15 @@ class Scheduler:
         # Waiting sequences, first come first served, while budget, seats and blocks last. Not in a
         # step that had to preempt: a sequence admitted now would only be preempted again.
         prefilling = None  # requests with a sequence computing its prompt (built on first need)
+        loras = None  # adapter ids of running sequences (built on first need, with max_loras)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
+            if self.max_loras is not None and seq.lora_request is not None:
+                if loras is None:
+                    loras = {s.lora_int_id for s in self.running if s.lora_request is not None}
+                if seq.lora_int_id not in loras and len(loras) >= self.max_loras:
+                    break  # every adapter slot is taken by running sequences: admitted when one frees
+                loras.add(seq.lora_int_id)
             if self._shares_prompt_with_sibling(seq):
                 if prefilling is None:
                     prefilling = {s.request_id for s in self.running if s.num_computed_tokens < s.num_prompt_tokens}

@@ -69,6 +69,12 @@ class Sequence:
     wants_prompt_logprobs: bool = False
     # the request's images placed in its prompt (pagoda.multimodal.MultiModalInputs), shared by siblings
     mm_inputs: object | None = None
+    # the LoRA adapter it runs with (pagoda.lora.LoRARequest), None for the base model
+    lora_request: object | None = None
+
+    @property
+    def lora_int_id(self) -> int:
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     def __post_init__(self) -> None:
         if not self.token_ids:

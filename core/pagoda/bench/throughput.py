@@ -57,6 +57,9 @@ def add_parser(sub) -> None:
     from pagoda.bench.image_workload import add_image_args
 
     add_image_args(p)
+    p.add_argument("--lora", type=int, default=0, metavar="N", help="N distinct random LoRA adapters (all q/k/v/o "
+                   "and gate/up/down projections), one per prompt round-robin (sets enable_lora and max_loras=N)")
+    p.add_argument("--lora-rank", type=int, default=16, help="rank of the --lora adapters (default 16)")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -69,7 +72,7 @@ def _prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return rng.integers(low, vocab, size=(num, length)).tolist()
 
 
-def _one_run(llm, prompts, params) -> dict:
+def _one_run(llm, prompts, params, loras=None) -> dict:
     from pagoda.engine.llm_engine import StepTimes
 
     engine = llm.engine
@@ -79,7 +82,7 @@ def _one_run(llm, prompts, params) -> dict:
     ahead0 = lookahead.launched_ahead if lookahead is not None else 0
     engine.platform.synchronize()
     t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    outputs = llm.generate(prompts, params, lora_request=_per_prompt(loras, len(prompts)))
     engine.platform.synchronize()
     elapsed = time.perf_counter() - t0
     out_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
@@ -96,6 +99,11 @@ def _one_run(llm, prompts, params) -> dict:
         "steps_launched_ahead": (lookahead.launched_ahead - ahead0) if lookahead is not None else 0,
         "latency_ms": request_latencies(outputs),
     }
+
+
+def _per_prompt(loras, n: int):
+    """--lora: the adapters round-robin over ``n`` prompts; None without."""
+    return [loras[i % len(loras)] for i in range(n)] if loras else None
 
 
 def request_latencies(outputs) -> dict:
@@ -135,6 +143,9 @@ def _build_config(args, tmp: str):
 
         extra["max_model_len"] = args.input_len + args.output_len + \
             args.images_per_prompt * image_tokens_bound(args.image_size)
+    if args.lora:
+        extra.update(enable_lora=True, max_loras=args.max_loras or args.lora,
+                     max_lora_rank=max(args.max_lora_rank or 0, args.lora_rank))
     return engine_config_from_args(args, **extra)
 
 
@@ -168,16 +179,24 @@ def run(args) -> int:
             def make_prompts(num, length, vocab, seed):
                 return image_prompts(engine, _prompts(num, length, vocab, seed), args.images_per_prompt,
                                      args.image_size, seed)
+        loras = None
+        if args.lora:
+            from pagoda.bench.lora_adapters import write_random_adapters
+            from pagoda.lora import LoRARequest
+
+            paths = write_random_adapters(hf_config, Path(tmp) / "loras", args.lora, args.lora_rank)
+            loras = [LoRARequest(f"bench-{i}", i + 1, str(p)) for i, p in enumerate(paths)]
         if args.warmup_prompts is None:
             args.warmup_prompts = args.num_prompts
         if args.warmup_prompts:
             warm = SamplingParams(temperature=0.0, max_tokens=min(8, args.output_len), ignore_eos=True,
                                   detokenize=False)
-            llm.generate(make_prompts(args.warmup_prompts, args.input_len, vocab, args.prompt_seed + 999), warm)
+            llm.generate(make_prompts(args.warmup_prompts, args.input_len, vocab, args.prompt_seed + 999), warm,
+                         lora_request=_per_prompt(loras, args.warmup_prompts))
         runs = []
         for r in range(args.repeats):
             prompts = make_prompts(args.num_prompts, args.input_len, vocab, args.prompt_seed + r)
-            runs.append(_one_run(llm, prompts, params))
+            runs.append(_one_run(llm, prompts, params, loras))
         best = max(runs, key=lambda x: x["output_tok_s"])
         stats = llm.get_stats()
         experts = stats.get("expert_load")
@@ -221,6 +240,7 @@ def run(args) -> int:
                       "cuda_graphs": runner.graphs is not None},
             "workload": {**asdict(work), "ignore_eos": args.ignore_eos, "repeats": args.repeats,
                          "images_per_prompt": args.images_per_prompt, "image_size": args.image_size,
+                         "lora_adapters": args.lora, "lora_rank": args.lora_rank if args.lora else None,
                          "warmup_prompts": args.warmup_prompts, "step_tokens": engine.scheduler.max_num_batched_tokens},
             "engine_config": config.model_dump(mode="json"),
             "setup_seconds": setup_s,
@@ -315,7 +335,8 @@ def format_result(res: dict) -> list[str]:
     lines = [
         f"pagoda bench throughput: {name} ({res['model']['architecture']}), {w['num_prompts']} prompts x "
         f"{w['input_len']} in x {w['output_len']} out, {res['dtype']} on {res['device']}"
-        f"{_kv_cache_note(res)}",
+        f"{_kv_cache_note(res)}" + (f", {w['lora_adapters']} LoRA adapters of rank {w['lora_rank']}"
+                                    if w.get("lora_adapters") else ""),
         f"  requests/s       {best['requests_per_s']:,.2f}",
         f"  output tok/s     {best['output_tok_s']:,.0f}   (runs: {spread})",
         f"  total tok/s      {best['total_tok_s']:,.0f}",

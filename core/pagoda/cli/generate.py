@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 from pagoda.cli.engine_args import add_engine_args, engine_config_from_args
 
@@ -28,6 +29,8 @@ def add_parser(sub) -> None:
     p.add_argument("--image", action="append", metavar="FILE", help="an image file sent with every prompt "
                    "(repeatable; vision-language models, docs/multimodal.md): with --chat it comes before the "
                    "prompt's text, else the prompt holds one placeholder per image")
+    p.add_argument("--lora", metavar="PATH", help="generate with this PEFT LoRA adapter (sets enable_lora; "
+                   "docs/lora.md)")
     add_engine_args(p, skip=("seed",))
     p.add_argument("--engine-seed", dest="seed", type=int, default=None, help="EngineConfig.seed")
     p.set_defaults(func=run)
@@ -42,7 +45,15 @@ def run(args) -> int:
             prompts += [line.rstrip("\n") for line in f if line.strip()]
     if not prompts:
         prompts = ["The capital of France is"]
-    config = engine_config_from_args(args)
+    lora, extra = None, {}
+    if args.lora:
+        from pagoda.lora import LoRARequest
+        from pagoda.lora.peft_format import read_adapter_config
+
+        rank = read_adapter_config(Path(args.lora))["r"]
+        extra = dict(enable_lora=True, max_lora_rank=max(args.max_lora_rank or 16, rank))
+        lora = LoRARequest(Path(args.lora).name or "adapter", 1, args.lora)
+    config = engine_config_from_args(args, **extra)
     t0 = time.perf_counter()
     llm = LLM(config=config)
     load_s = time.perf_counter() - t0
@@ -54,10 +65,10 @@ def run(args) -> int:
     if args.chat:
         parts = [{"type": "image", "image": data} for data in images]
         outputs = llm.chat([[{"role": "user", "content": [*parts, {"type": "text", "text": p}] if images else p}]
-                            for p in prompts], params)
+                            for p in prompts], params, lora_request=lora)
     else:
         outputs = llm.generate([{"prompt": p, "multi_modal_data": {"image": images}} if images else p
-                                for p in prompts], params)
+                                for p in prompts], params, lora_request=lora)
     gen_s = time.perf_counter() - t1
     n_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     for prompt, out in zip(prompts, outputs):

@@ -33,6 +33,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         if field.annotation is bool:
             group.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)
+        elif name == "lora_modules":  # vLLM's form: --lora-modules a=PATH b=PATH (repeatable too)
+            group.add_argument(_flag(name), dest=name, nargs="+", action="extend", default=None, metavar="NAME=PATH",
+                               help=help_text)
         elif typing.get_origin(field.annotation) is list:
             group.add_argument(_flag(name), dest=name, action="append", default=None,
                                help=help_text + " (repeat the flag for several)")

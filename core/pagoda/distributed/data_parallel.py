@@ -240,11 +240,14 @@ class DataParallelEngine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int] | None,
                     params: SamplingParams | None = None, prompt_token_ids: list[int] | None = None,
-                    arrival_time: float | None = None, multi_modal_data=None, mm_inputs=None) -> str:
+                    arrival_time: float | None = None, multi_modal_data=None, mm_inputs=None,
+                    lora_request=None) -> str:
         self._check_alive("")
         if multi_modal_data is not None or mm_inputs is not None:
             raise RequestError("images are not supported with data_parallel_size > 1 yet: serve a vision "
                                "model with one replica", field="messages")
+        if lora_request is not None:
+            raise RequestError("LoRA adapters are not supported with data_parallel_size > 1 yet", field="model")
         params = params or SamplingParams()
         params.validate(self.config.max_logprobs, vocab_size=self.hf_config.vocab_size, max_n=self.config.max_n)
         if request_id is None:

@@ -12,7 +12,8 @@ forgot are freed on the next step.
 
 Words: ``[n, num_decodes, num_batched_tokens, num_freed]``, then n rows of
 ``(seq_id, num_computed_tokens, num_new_tokens, flags, num_prompt_tokens, num_preemptions,
-num_sent_tokens, num_blocks)`` (flags: 1 = samples, 2 = wants prompt logprobs), then the sent tokens, the
+num_sent_tokens, num_blocks)`` (flags: 1 = samples, 2 = wants prompt logprobs, bits 2..: the LoRA adapter id,
+0 for the base model), then the sent tokens, the
 block tables (``num_blocks`` entries of each group, group 0 first) and the freed ids.
 """
 
@@ -52,7 +53,7 @@ class StepEncoder:
             new = seq.token_ids[sent:]
             if persistent:
                 self._sent[seq.seq_id] = seq.num_tokens
-            flags = int(it.sample) | (2 if seq.wants_prompt_logprobs else 0)
+            flags = int(it.sample) | (2 if seq.wants_prompt_logprobs else 0) | (seq.lora_int_id << 2)
             rows[i] = (seq.seq_id, seq.num_computed_tokens, it.num_new_tokens, flags, seq.num_prompt_tokens,
                        seq.num_preemptions, len(new), len(seq.block_table))
             tokens += new
@@ -71,9 +72,10 @@ _PARAMS = SamplingParams()  # mirrors never sample: rank 0 does
 class StepDecoder:
     """Ranks > 0: the mirror sequences, by seq_id."""
 
-    def __init__(self, num_groups: int = 1) -> None:
+    def __init__(self, num_groups: int = 1, lora_lookup=None) -> None:
         self.seqs: dict[int, Sequence] = {}
         self.num_groups = num_groups  # KV cache groups (pagoda.engine.kv_groups)
+        self.lora_lookup = lora_lookup  # LoRA adapter id -> its LoRARequest (registered on this rank)
 
     def decode(self, words: np.ndarray, persistent: bool = True) -> tuple[SchedulerOutput, list[int]]:
         """(the SchedulerOutput to run, the seq ids rank 0 forgot)."""
@@ -106,6 +108,7 @@ class StepDecoder:
             seq.num_computed_tokens = computed
             seq.num_preemptions = preemptions
             seq.wants_prompt_logprobs = bool(flags & 2)
+            seq.lora_request = self.lora_lookup(flags >> 2) if flags >> 2 else None
             seq.block_table = blocks[b:b + num_bt]
             if groups > 1:
                 seq.group_block_tables = [blocks[b + g * num_bt:b + (g + 1) * num_bt] for g in range(1, groups)]

@@ -47,7 +47,9 @@ def serve_rank(runner: Any, channel: ControlChannel) -> None:
     """Run steps and calls from rank 0 until it sends STOP."""
     runner.sampler = NoSampling()
     layout = getattr(runner, "kv_layout", None)  # KV cache groups: one block table each
-    decoder = StepDecoder(layout.num_groups if layout is not None else 1)
+    lora = getattr(runner, "lora", None)  # enable_lora: adapters registered by rank 0's load_lora calls
+    decoder = StepDecoder(layout.num_groups if layout is not None else 1,
+                          lora_lookup=None if lora is None else lora.known.__getitem__)
     launched = None  # the last launch_decode's PendingDecode (its tokens feed a step launched ahead)
     stepping = False
     while True:

@@ -217,7 +217,8 @@ class AsyncEngine:
 
     async def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                           request_id: str | None = None, prompt: str | None = None,
-                          timeout: float | None = None, mm_inputs=None) -> RequestStream:
+                          timeout: float | None = None, mm_inputs=None,
+                          lora_request=None) -> RequestStream:
         """Queue a request; return its stream once the engine accepted it. Raises the
         engine's ``RequestError`` for a bad request, ``QueueFullError``, ``EngineStoppedError``."""
         self._check_open()
@@ -240,7 +241,8 @@ class AsyncEngine:
                 return
             try:
                 self.engine.add_request(rid, prompt, params, prompt_token_ids=prompt_token_ids,
-                                        arrival_time=arrival, mm_inputs=mm_inputs)
+                                        arrival_time=arrival, mm_inputs=mm_inputs,
+                                        lora_request=lora_request)
             except BaseException as exc:  # a bad request: refuse it, change nothing else
                 _resolve(loop, accepted, exc=exc)
                 return

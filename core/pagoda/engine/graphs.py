@@ -45,11 +45,13 @@ class DecodeGraphs:
         pin = dev.type == "cuda"
         b, w = self.max_bs, self.width
         self.num_groups = g = runner.kv_layout.num_groups
-        # int64 rows: input ids, positions, then the slots of each group; int32 rows: seq lens, token seq lens
-        self.host64 = torch.zeros(2 + g, b, dtype=torch.int64, pin_memory=pin)
+        # int64 rows: input ids, positions, then the slots of each group, then (enable_lora) each row's
+        # LoRA adapter slot (-1: the base; padding rows too); int32 rows: seq lens, token seq lens
+        self.lora = runner.lora
+        self.host64 = torch.zeros(2 + g + (self.lora is not None), b, dtype=torch.int64, pin_memory=pin)
         self.host32 = torch.zeros(2, b, dtype=torch.int32, pin_memory=pin)
         self.host_tables = torch.zeros(g, w, b, dtype=torch.int32, pin_memory=pin)  # [group, block index, row]
-        self.dev64 = torch.zeros(2 + g, b, dtype=torch.int64, device=dev)
+        self.dev64 = torch.zeros(self.host64.shape[0], b, dtype=torch.int64, device=dev)
         self.dev32 = torch.zeros(2, b, dtype=torch.int32, device=dev)
         self.dev_tables = torch.zeros(g, w, b, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=dev)
@@ -122,6 +124,9 @@ class DecodeGraphs:
         block, rows = pos // self.block_size, np.arange(n)
         for g in range(self.num_groups):
             h64[2 + g, :n] = self.np_tables[g, block, rows].astype(np.int64) * self.block_size + pos % self.block_size
+        if self.lora is not None:
+            lora_slots = self.lora.sequence_slots(out)
+            h64[2 + self.num_groups, :n] = -1 if lora_slots is None else lora_slots
         h64[:2, n:bucket] = 0
         h64[2:, n:bucket] = -1
         h32[0, :n] = pos + 1
@@ -171,7 +176,13 @@ class DecodeGraphs:
                 query_start_loc=self.query_start_loc[:bucket + 1], seq_lens=seq_lens, block_tables=tables,
                 slot_mapping=slots, query_start_loc_cpu=list(range(bucket + 1)), seq_lens_cpu=[1] * bucket,
                 for_graph=True)
-            ctx = prepared_context(meta, runner.backends, token_seq_lens=token_seq_lens, group_tables=groups)
+            lora = None
+            if self.lora is not None:  # the LoRA update is always captured; base rows have slot -1
+                from pagoda.lora.manager import LoRAMapping
+
+                lora = LoRAMapping(self.dev64[2 + self.num_groups, :bucket], True)
+            ctx = prepared_context(meta, runner.backends, token_seq_lens=token_seq_lens, group_tables=groups,
+                                   lora=lora)
 
             def step(ids=ids, positions=positions, ctx=ctx):
                 with set_forward_context(ctx):

@@ -26,6 +26,7 @@ class StepInputs:
     group_tables: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     # extra keyword arguments of model.forward (multimodal models: image_embeds, pagoda.multimodal.encoder)
     model_kwargs: dict = field(default_factory=dict)
+    lora: object | None = None  # pagoda.lora.manager.LoRAMapping of the step's adapters, if any
 
 
 def build_step_inputs(out: SchedulerOutput, block_size: int, device: torch.device,

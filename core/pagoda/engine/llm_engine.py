@@ -88,7 +88,8 @@ class LLMEngine:
             prefix_caching = False
         self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching, windows)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.step_budget.tokens, self.max_model_len,
-                                   idle_step_tokens=self.step_budget.idle_tokens)
+                                   idle_step_tokens=self.step_budget.idle_tokens,
+                                   max_loras=config.max_loras if config.enable_lora else None)
         if config.runner != "pooling":  # (a pooling runner only prefills: decode graphs would go unused)
             graph_batch = self.speculative.graph_batch_size(config.max_num_seqs) if self.speculative else None
             self.runner.capture_graphs(graph_batch or config.max_num_seqs, self.max_model_len)
@@ -174,18 +175,25 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: str | list[int] | None,
                     params: SamplingParams | None = None, prompt_token_ids: list[int] | None = None,
                     arrival_time: float | None = None, multi_modal_data: dict | None = None,
-                    mm_inputs=None) -> str:
+                    mm_inputs=None, lora_request: Any = None) -> str:
         """Validate and queue a request. A bad request raises RequestError and changes nothing.
         ``multi_modal_data`` ({"image": image or list}) is processed here; ``mm_inputs``: already
-        processed (``process_multimodal``, e.g. by the server off the engine loop)."""
+        processed (``process_multimodal``, e.g. by the server off the engine loop). ``lora_request``: a
+        ``pagoda.lora.LoRARequest`` (None: the base model)."""
         if self.pooling is not None or not isinstance(params, (SamplingParams, type(None))):
             from pagoda.pooling.engine import add_pooling_request  # PoolingParams (pagoda.pooling)
 
             if multi_modal_data is not None or mm_inputs is not None:
                 raise RequestError("images are not supported by the pooling runner yet", field="prompt")
+            if lora_request is not None:
+                raise RequestError("LoRA adapters are not supported by the pooling runner yet", field="model")
             return add_pooling_request(self, request_id, prompt, params, prompt_token_ids, arrival_time)
         params = params or SamplingParams()
         self.validate_params(params)
+        if lora_request is not None:
+            from pagoda.lora.engine_support import check_lora_request
+
+            check_lora_request(self, lora_request)
         if request_id is None:
             request_id = f"req-{next(self._counter)}"
         if request_id in self.requests:
@@ -223,6 +231,7 @@ class LLMEngine:
                 seq.mm_inputs = mm_inputs
         self.requests[request_id] = request
         for seq in request.seqs:
+            seq.lora_request = lora_request
             self.scheduler.add(seq)
         return request_id
 

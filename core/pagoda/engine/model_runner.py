@@ -105,6 +105,11 @@ class ModelRunner:
             from pagoda.multimodal.encoder import MultiModalStep
 
             self.multimodal = MultiModalStep(self.model, device)
+        self.lora = None  # pagoda.lora.manager.LoRAManager with enable_lora
+        if config.enable_lora:
+            from pagoda.lora.engine_support import create_lora_manager
+
+            self.lora = create_lora_manager(self.model, config, self.dtype, device)
 
     # ------------------------------------------------------------------ KV cache
     def kv_cache_dtype(self) -> torch.dtype:
@@ -181,11 +186,13 @@ class ModelRunner:
         inputs = build_step_inputs(out, self.config.block_size, self.device, num_groups=self.kv_layout.num_groups)
         if self.multimodal is not None:  # 3-D positions, image rows (running the encoder for new images)
             self.multimodal.prepare(out, inputs)
+        if self.lora is not None:
+            inputs.lora = self.lora.mapping(out)
         return inputs
 
     def _context(self, inputs: StepInputs) -> ForwardContext:
         return prepared_context(inputs.meta, self.backends, token_seq_lens=inputs.token_seq_lens,
-                                group_tables=inputs.group_tables)
+                                group_tables=inputs.group_tables, lora=inputs.lora)
 
     def _accumulate_experts(self, ctx: ForwardContext) -> None:
         found = ctx.expert_counts
@@ -309,6 +316,13 @@ class ModelRunner:
         self.sampler.forget(seq_id)
         if self.multimodal is not None:
             self.multimodal.forget(seq_id)
+
+    def load_lora(self, request) -> None:
+        """Register and check a LoRA adapter (``LLMEngine.add_request``; on every tensor-parallel rank)."""
+        self.lora.load(request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.lora.remove(lora_int_id)
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture decode graphs where the platform and every backend allow it."""

@@ -192,6 +192,12 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig | None = None) ->
     app.include_router(tokenize_routes.router)
     app.include_router(ollama_routes.router)
     app.include_router(pooling_routes.router)  # embeddings, score, rerank (runner: pooling)
+    extra_routes = []
+    if config.enable_lora_runtime_updates:
+        from pagoda.server import lora_adapters
+
+        app.include_router(lora_adapters.router)
+        extra_routes = lora_adapters.router.routes
 
     @app.get("/health", response_model=Health, responses={
         503: {"model": Health, "description": "shutting down (`stopping`), or the engine failed (`error`, with "
@@ -221,7 +227,7 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig | None = None) ->
     app.openapi = openapi
     # (FastAPI keeps included routers as wrappers in app.routes: list their routes directly)
     routes = [r for r in (*openai_routes.router.routes, *chat_routes.router.routes, *ollama_routes.router.routes,
-                          *tokenize_routes.router.routes, *pooling_routes.router.routes, *app.routes)
+                          *tokenize_routes.router.routes, *pooling_routes.router.routes, *extra_routes, *app.routes)
               if hasattr(r, "path")]
     app.add_middleware(RequestGuard, config=config, metrics=metrics, async_engine=async_engine, routes=routes)
     if config.cors_allow_origins:

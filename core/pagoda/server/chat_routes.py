@@ -55,7 +55,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                                 structured_outputs=grammar, rename={"logprobs": "top_logprobs"})
     if output.needs_special_tokens:  # the parser's markers are special tokens: keep them in the text
         params.skip_special_tokens = False
-    stream = await fe.submit(ids, params, text, prefix="chatcmpl", mm_inputs=mm_inputs)
+    stream = await fe.submit(ids, params, text, prefix="chatcmpl", mm_inputs=mm_inputs,
+                             model=body.model)
     rid = stream.request_id
     if body.stream:
         return event_stream(chat_events(fe, body, stream, rid, output), [stream])
@@ -71,7 +72,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         message, called = output.message(c.text)
         choices.append({"index": c.index, "message": message, "logprobs": logprobs,
                         "finish_reason": "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason})
-    reply = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": fe.model_name,
+    reply = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": fe.reply_model(body.model),
              "choices": choices, "usage": usage_sum([out])}
     if body.prompt_logprobs is not None:
         reply["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
@@ -81,12 +82,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 async def chat_events(fe: Frontend, body: ChatCompletionRequest, stream: RequestStream, rid: str,
                       output: ChatOutput) -> AsyncIterator[str]:
     created = int(time.time())
+    model = fe.reply_model(body.model)
     tracker = DeltaTracker.for_stops(_stops(body.stop))
     usage_field = {"usage": None} if body.include_usage else {}
     final = None
 
     def chunk(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> str:
-        return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": fe.model_name,
+        return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                     "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
                     **usage_field})
 
@@ -118,5 +120,5 @@ async def chat_events(fe: Frontend, body: ChatCompletionRequest, stream: Request
     if final is None or not final.finished:
         raise APIError(503, "the request was aborted before it finished", code="aborted")
     if body.include_usage:
-        yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": fe.model_name,
+        yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                    "choices": [], "usage": usage_sum([final])})

@@ -7,6 +7,7 @@ too), flags. Errors name the file or source and the key.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -54,6 +55,24 @@ class ServerConfig(BaseModel):
                               "data: URLs are accepted (a fetched URL is a 400)")
     media_fetch_timeout: float = Field(10.0, gt=0, description="seconds an image URL's download may take")
     media_max_bytes: int = Field(20 << 20, gt=0, description="largest image a URL may return")
+
+    lora_modules: list[str] = Field(default_factory=list, description="LoRA adapters served by name, NAME=PATH "
+                                    "(a PEFT adapter directory; needs enable_lora); in YAML also a mapping "
+                                    "{NAME: PATH}; a request's model field selects one (docs/lora.md)")
+    enable_lora_runtime_updates: bool = Field(False, description="serve POST /v1/load_lora_adapter and "
+                                              "/v1/unload_lora_adapter (behind the API key), as vLLM's "
+                                              "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _lora_modules(cls, v: Any) -> Any:
+        from pagoda.server.lora_adapters import parse_lora_modules
+
+        if isinstance(v, dict):
+            v = [f"{name}={path}" for name, path in v.items()]
+        v = _as_list(v) if isinstance(v, str) and not v.strip().startswith("{") else ([v] if isinstance(v, str) else v)
+        parse_lora_modules(v)  # a malformed entry is an error naming the key
+        return [json.dumps(i) if isinstance(i, dict) else i for i in v]
 
     @model_validator(mode="before")
     @classmethod

@@ -63,6 +63,11 @@ class Frontend:
             self.tool_parser = get_tool_parser("hermes")  # the common open format, when the template says nothing
         self.reasoning_parser = select_reasoning_parser(engine.config.reasoning_parser, template)
         self.limits = ServedLimits.of(engine, self.model_name)
+        from pagoda.server.lora_adapters import ServedAdapters, parse_lora_modules
+
+        self.adapters = ServedAdapters(engine, self.model_name, parse_lora_modules(config.lora_modules),
+                                       config.enable_lora_runtime_updates)
+        self.limits = self.adapters.served_limits(self.limits, config.enable_lora_runtime_updates)
 
     # ------------------------------------------------------------------ request checks
     def check_request(self, body) -> None:
@@ -74,10 +79,14 @@ class Frontend:
 
     def check_model(self, name: str | None) -> None:
         """None means the served model (OpenAI clients always send one; curl users may not)."""
-        if name is None or name in (self.model_name, f"{self.model_name}:latest"):
+        if name is None or name in (self.model_name, f"{self.model_name}:latest") or name in self.adapters.by_name:
             return
         raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                        param="model", code="model_not_found")
+
+    def reply_model(self, name: str | None) -> str:
+        """The ``model`` of a reply: the LoRA adapter the request named, else the served model."""
+        return name if name in self.adapters.by_name else self.model_name
 
     def check_limits(self, body) -> None:
         """The limits the document states for the served model (token ids, top_k, n, logprobs,
@@ -165,10 +174,11 @@ class Frontend:
 
     # ------------------------------------------------------------------ running requests
     async def submit(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None,
-                     prefix: str = "cmpl", mm_inputs=None) -> RequestStream:
+                     prefix: str = "cmpl", mm_inputs=None, model: str | None = None) -> RequestStream:
+        """``model``: the request's model field (a LoRA adapter's name selects it)."""
         return await self.async_engine.add_request(prompt_ids, params, f"{prefix}-{uuid.uuid4().hex}",
                                                    prompt=prompt, timeout=self.config.request_timeout,
-                                                   mm_inputs=mm_inputs)
+                                                   mm_inputs=mm_inputs, lora_request=self.adapters.get(model))
 
     async def follow(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
         """The stream's outputs, metered; closing early (or an error) aborts the request."""

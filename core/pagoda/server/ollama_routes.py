@@ -170,7 +170,7 @@ async def submit(fe: Frontend, body: OllamaBase, ids: list[int], text: str, outp
     params.structured_outputs = grammar
     if output.needs_special_tokens:
         params.skip_special_tokens = False
-    return await fe.submit(ids, params, text, prefix="ollama", mm_inputs=mm_inputs)
+    return await fe.submit(ids, params, text, prefix="ollama", mm_inputs=mm_inputs, model=body.model)
 
 
 def reply(body: OllamaBase, message: dict, chat: bool) -> dict:

@@ -40,14 +40,16 @@ def sse(obj: dict | str) -> str:
 
 @router.get("/v1/models", response_model=ModelList, responses=error_responses(*READ_ERRORS))
 async def list_models(request: Request) -> dict:
-    return {"object": "list", "data": [model_card(frontend(request))]}
+    fe = frontend(request)
+    return {"object": "list", "data": [model_card(fe), *fe.adapters.cards(fe.created, fe.max_model_len)]}
 
 
 @router.get("/v1/models/{model:path}", response_model=ModelCard, responses=error_responses(*READ_ERRORS, 404))
 async def get_model(model: str, request: Request) -> dict:
     fe = frontend(request)
     fe.check_model(model)
-    return model_card(fe)
+    adapter = next((c for c in fe.adapters.cards(fe.created, fe.max_model_len) if c["id"] == model), None)
+    return adapter or model_card(fe)
 
 
 def model_card(fe: Frontend) -> dict:
@@ -55,12 +57,12 @@ def model_card(fe: Frontend) -> dict:
             "root": fe.model_name, "max_model_len": fe.max_model_len}
 
 
-async def submit_all(fe: Frontend, items: list[tuple], prefix: str) -> list[RequestStream]:
+async def submit_all(fe: Frontend, items: list[tuple], prefix: str, model: str | None = None) -> list[RequestStream]:
     """Submit (prompt text, ids, params) items; if one is refused, abort the ones already in."""
     streams: list[RequestStream] = []
     try:
         for text, ids, params in items:
-            streams.append(await fe.submit(ids, params, text, prefix=prefix))
+            streams.append(await fe.submit(ids, params, text, prefix=prefix, model=model))
     except BaseException:
         for s in streams:
             s.close()
@@ -95,7 +97,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         if body.echo and body.logprobs is not None:  # the prompt's own logprobs, from the prefill
             params.prompt_logprobs = max(body.logprobs, params.prompt_logprobs or 0)
         items.append((text, ids, params))
-    streams = await submit_all(fe, items, "cmpl")
+    streams = await submit_all(fe, items, "cmpl", model=body.model)
     rid = f"cmpl-{uuid.uuid4().hex}"
     echo = [echo_text(fe, text, ids) if body.echo else "" for text, ids, _ in items]
     if body.stream:
@@ -112,8 +114,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             if body.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
             choices.append(choice)
-    return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()), "model": fe.model_name,
-                         "choices": choices, "usage": usage_sum(outs)})
+    return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
+                         "model": fe.reply_model(body.model), "choices": choices, "usage": usage_sum(outs)})
 
 
 def choice_logprobs(fe: Frontend, body: CompletionRequest, out: RequestOutput, c, echo: str) -> dict | None:
@@ -136,6 +138,7 @@ def echo_text(fe: Frontend, text: str | None, ids: list[int]) -> str:
 async def completion_events(fe: Frontend, body: CompletionRequest, streams: list[RequestStream], rid: str,
                             echo: list[str]) -> AsyncIterator[str]:
     created = int(time.time())
+    model = fe.reply_model(body.model)
     trackers = [DeltaTracker.for_stops(_stops(body.stop)) for _ in streams]
     offsets: dict[tuple[int, int], int] = {}  # (prompt, completion) -> text offset of the next token
     finished: set[tuple[int, int]] = set()
@@ -143,7 +146,7 @@ async def completion_events(fe: Frontend, body: CompletionRequest, streams: list
     usage_field = {"usage": None} if body.include_usage else {}
 
     def chunk(choice: dict) -> str:
-        return sse({"id": rid, "object": "text_completion", "created": created, "model": fe.model_name,
+        return sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                     "choices": [choice], **usage_field})
 
     echoed: set[int] = set()  # prompts whose echo went out (with logprobs it waits for the prefill's)
@@ -183,7 +186,7 @@ async def completion_events(fe: Frontend, body: CompletionRequest, streams: list
     if len(finals) < len(streams):
         raise APIError(503, "the request was aborted before it finished", code="aborted")
     if body.include_usage:
-        yield sse({"id": rid, "object": "text_completion", "created": created, "model": fe.model_name,
+        yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                    "choices": [], "usage": usage_sum([finals[p] for p in sorted(finals)])})
 
 

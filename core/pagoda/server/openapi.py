@@ -162,7 +162,7 @@ _LIMITS = {
     "logprobs": lambda lim: {"maximum": lim.max_logprobs},
     "output_tokens": lambda lim: {"maximum": lim.max_model_len - 1},
     "prompt_tokens": lambda lim: {"maxItems": lim.max_model_len - 1},
-    "model": lambda lim: {"enum": list(lim.model_names)},
+    "model": lambda lim: {"enum": list(lim.model_names)} if lim.model_names else {},
     "seed": lambda lim: {"minimum": -(2**63), "maximum": 2**63 - 1},  # exact (a float cannot hold 2**63 - 1)
     "logits_processor": lambda lim: {"enum": list(lim.logits_processors)},
     "dimensions": lambda lim: {"maximum": lim.embedding_size},

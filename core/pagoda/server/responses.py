@@ -27,6 +27,8 @@ class ModelCard(BaseModel):
     owned_by: str
     root: str
     max_model_len: int
+    parent: str | None = Field(None, description="a LoRA adapter's base model (its `root` is the adapter's "
+                               "path); null for the base model")
 
 
 class ModelList(BaseModel):

@@ -23,6 +23,8 @@ KERNELS = {
     "store_mla_cache": "pagoda_cuda.attention.mla_decode:store_mla_cache",
     "fused_moe": "pagoda_cuda.ops.moe:fused_moe",
     "topk_softmax": "pagoda_cuda.ops.moe_routing:topk_softmax",
+    "lora_shrink": "pagoda_cuda.ops.lora:lora_shrink",
+    "lora_expand": "pagoda_cuda.ops.lora:lora_expand",
 }
 KERNEL_PRIORITY = 10
 
