@@ -63,6 +63,26 @@ def test_every_hook_is_documented():
         assert f"`{hook}`" in plugin_docs, f"docs/plugins.md does not document {hook}"
 
 
+def test_every_interface_and_its_attributes_are_documented():
+    """What a plugin implements or reads (pagoda.interfaces) is named in docs/plugins.md: each class, and
+    each public attribute and method it declares."""
+    import inspect
+
+    from pagoda import interfaces
+
+    plugin_docs = (DOCS / "plugins.md").read_text()
+    missing = []
+    for name, cls in vars(interfaces).items():
+        if name.startswith("_") or not inspect.isclass(cls) or cls.__module__ != interfaces.__name__:
+            continue
+        if f"`{name}" not in plugin_docs and f".{name}`" not in plugin_docs:
+            missing.append(name)
+        for attr in dict.fromkeys([*vars(cls), *getattr(cls, "__annotations__", {})]):
+            if not attr.startswith("_") and f"`{attr}" not in plugin_docs:
+                missing.append(f"{name}.{attr}")
+    assert not missing, f"docs/plugins.md does not name: {', '.join(missing)}"
+
+
 def test_installed_plugin_registers_under_every_hook(with_plugins):
     reg = with_plugins("dummy")
     info = next(p for p in reg.plugins if p.name == "dummy")
