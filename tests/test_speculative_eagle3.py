@@ -1,0 +1,130 @@
+"""Speculative method "eagle3": an EAGLE-3 head (fc over three target layers' hidden states, one decoder
+layer over [embedding, hidden], a draft vocabulary mapped by d2t) drafts; greedy outputs stay those of
+plain decoding and of transformers, with chunked prefill and preemption; a head built to agree with the
+target has every draft kept, which checks the aux hidden states, the d2t mapping and the chaining."""
+
+import json
+
+import pytest
+import torch
+from pagoda import LLM, SamplingParams
+from pagoda.errors import ConfigError
+from pagoda.testing import check_greedy, hf_greedy_tokens, make_tiny_checkpoint, random_prompts
+from safetensors.torch import load_file, save_file
+
+VOCAB = 260
+TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256)
+
+
+def write_head(path, hidden: int, intermediate: int, draft_ids: torch.Tensor, seed: int = 0,
+               tensors: dict | None = None, **config) -> str:
+    """An EAGLE-3 head checkpoint as vLLM/SGLang read it (random weights unless ``tensors`` gives them),
+    without embed_tokens (the target's is shared); ``draft_ids``: the target id of each draft id."""
+    path.mkdir(parents=True, exist_ok=True)
+    heads, kv, hd = 4, 2, hidden // 4
+    draft = len(draft_ids)
+    json.dump({"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
+               "intermediate_size": intermediate, "num_attention_heads": heads, "num_key_value_heads": kv,
+               "num_hidden_layers": 1, "vocab_size": VOCAB, "draft_vocab_size": draft, "hidden_act": "silu",
+               "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+               "torch_dtype": "float32", **config}, open(path / "config.json", "w"))
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen) * 0.2
+
+    w = {"fc.weight": rand(hidden, 3 * hidden) * 0.5, "norm.weight": 1 + rand(hidden),
+         "lm_head.weight": rand(draft, hidden) * 5,
+         "d2t": draft_ids.long() - torch.arange(draft), "t2d": torch.isin(torch.arange(VOCAB), draft_ids)}
+    m = "midlayer."
+    for name, shape in [("self_attn.q_proj", (heads * hd, 2 * hidden)), ("self_attn.k_proj", (kv * hd, 2 * hidden)),
+                        ("self_attn.v_proj", (kv * hd, 2 * hidden)), ("self_attn.o_proj", (hidden, heads * hd)),
+                        ("mlp.gate_proj", (intermediate, hidden)), ("mlp.up_proj", (intermediate, hidden)),
+                        ("mlp.down_proj", (hidden, intermediate))]:
+        w[f"{m}{name}.weight"] = rand(*shape)
+    for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        w[f"{m}{norm}.weight"] = 1 + rand(hidden)
+    w.update(tensors or {})
+    w = {k: v.clone().contiguous() for k, v in w.items()}
+    save_file(w, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("target"), seed=3, **TINY)
+
+
+def test_eagle3_random_head_greedy_equals_transformers_with_chunked_prefill_and_preemption(target, tmp_path):
+    draft_ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(1))[:200].sort().values
+    head = write_head(tmp_path / "head", 64, 96, draft_ids, eagle_config={"eagle_aux_hidden_state_layer_ids":
+                                                                          [0, 1, 3]})
+    prompts = random_prompts(4, VOCAB, 6, 40, seed=5)
+    expected = hf_greedy_tokens(target, prompts, 20)
+    result, llm = check_greedy(target, prompts, 20, expected=expected, engine={"speculative_config": {
+        "method": "eagle3", "model": head, "num_speculative_tokens": 3}})
+    result.assert_passed()
+    stats = llm.get_stats()["speculative"]
+    assert stats["draft_tokens"] > 0 and len(stats["per_position_acceptance"]) == 3, stats
+    proposer = llm.engine.speculative.proposer
+    assert type(proposer.runner.model).__name__ == "LlamaForCausalLMEagle3" and proposer.layer_ids == (0, 1, 3)
+    assert proposer.runner.model.embed_tokens.weight is llm.engine.runner.model.model.embed_tokens.weight
+
+
+def agreeing_pair(path, seed: int = 0):
+    """A target whose next token is a fixed permutation g of the current one, and a head that predicts it.
+
+    Target: one-hot embeddings, every o_proj/down_proj zero (the residual stream is the embedding at
+    every layer), lm_head the permutation matrix of g. Head (norm_before_residual): fc passes the aux
+    hidden state e(x_p) through; its MLP maps a state dominated by e(a) to a much larger e(g(a)), its
+    attention output is zero; so out = e(x_p) + M e(x_{p+1}), whose logits peak at g(x_{p+1}) = x_{p+2},
+    and each chained step moves one token further. Its vocabulary is the target's, reversed through d2t."""
+    hidden = 264  # >= VOCAB: one-hot embeddings
+    cfg = {**TINY, "hidden_size": hidden, "intermediate_size": 32, "num_key_value_heads": 4}
+    target = make_tiny_checkpoint("llama", path / "target", seed=seed, **cfg)
+    g = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))
+    perm = torch.zeros(hidden, hidden)
+    perm[g, torch.arange(VOCAB)] = 1.0  # perm @ e(a) = e(g(a))
+    t = load_file(str(target / "model.safetensors"))
+    for name, tensor in t.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensor.zero_()
+    t["model.embed_tokens.weight"] = torch.eye(VOCAB, hidden)
+    t["model.norm.weight"] = torch.ones(hidden)
+    t["lm_head.weight"] = perm[:VOCAB].clone()
+    save_file(t, str(target / "model.safetensors"), metadata={"format": "pt"})
+    reversed_ids = torch.arange(VOCAB - 1, -1, -1)
+    ones = torch.ones(hidden)
+    head = write_head(path / "head", hidden, hidden, reversed_ids, seed=seed, norm_before_residual=True, tensors={
+        "fc.weight": torch.cat([torch.eye(hidden), torch.zeros(hidden, 2 * hidden)], dim=1),
+        "midlayer.self_attn.o_proj.weight": torch.zeros(hidden, hidden),
+        "midlayer.mlp.gate_proj.weight": torch.eye(hidden), "midlayer.mlp.up_proj.weight": torch.eye(hidden),
+        "midlayer.mlp.down_proj.weight": 10 * perm,
+        "lm_head.weight": perm[:VOCAB][reversed_ids].clone(), "norm.weight": ones,
+        "midlayer.hidden_norm.weight": ones, "midlayer.post_attention_layernorm.weight": ones})
+    return str(target), head
+
+
+def test_eagle3_drafts_what_the_target_decodes_when_built_to(tmp_path):
+    target, head = agreeing_pair(tmp_path)
+    prompts = random_prompts(3, VOCAB, 6, 20, seed=8)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    kw = dict(device="cpu", dtype="float32", block_size=8, num_kv_blocks=64)
+    want = [o.outputs[0].token_ids for o in LLM(model=target, **kw).generate(prompts, params)]
+    llm = LLM(model=target, speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3},
+              **kw)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    stats = llm.get_stats()["speculative"]
+    assert stats["acceptance_rate"] == 1.0 and stats["mean_accepted_length"] > 3.5, stats
+
+
+def test_eagle3_errors_name_the_key(target, tmp_path):
+    kw = dict(device="cpu", dtype="float32", num_kv_blocks=16)
+    with pytest.raises(ConfigError, match="needs an EAGLE-3 head"):
+        LLM(model=str(target), speculative_config={"method": "eagle3", "model": str(target)}, **kw)
+    head = write_head(tmp_path / "bad", 64, 96, torch.arange(VOCAB),
+                      eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 9]})
+    with pytest.raises(ConfigError, match="eagle_aux_hidden_state_layer_ids"):
+        LLM(model=str(target), speculative_config={"method": "eagle3", "model": head}, **kw)
