@@ -75,11 +75,12 @@ def test_eagle3_random_head_greedy_equals_transformers_with_chunked_prefill_and_
 def agreeing_pair(path, seed: int = 0):
     """A target whose next token is a fixed permutation g of the current one, and a head that predicts it.
 
-    Target: one-hot embeddings, every o_proj/down_proj zero (the residual stream is the embedding at
-    every layer), lm_head the permutation matrix of g. Head (norm_before_residual): fc passes the aux
-    hidden state e(x_p) through; its MLP maps a state dominated by e(a) to a much larger e(g(a)), its
-    attention output is zero; so out = e(x_p) + M e(x_{p+1}), whose logits peak at g(x_{p+1}) = x_{p+2},
-    and each chained step moves one token further. Its vocabulary is the target's, reversed through d2t."""
+    Target: one-hot embeddings, every o_proj/down_proj zero but the last layer's (the residual stream is
+    the embedding at every layer but the output), lm_head the permutation matrix of g. Head
+    (norm_before_residual): fc passes the aux hidden state e(x_p) through; its MLP maps a state dominated
+    by e(a) to a much larger e(g(a)), its attention output is zero; so out = e(x_p) + M e(x_{p+1}), whose
+    logits peak at g(x_{p+1}) = x_{p+2}, and each chained step moves one token further. Its vocabulary is
+    the target's, reversed through d2t."""
     hidden = 264  # >= VOCAB: one-hot embeddings
     cfg = {**TINY, "hidden_size": hidden, "intermediate_size": 32, "num_key_value_heads": 4}
     target = make_tiny_checkpoint("llama", path / "target", seed=seed, **cfg)
@@ -90,6 +91,9 @@ def agreeing_pair(path, seed: int = 0):
     for name, tensor in t.items():
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             tensor.zero_()
+    # the last layer writes into the 4 dimensions lm_head ignores: its output is not the aux states the head
+    # reads (vLLM's default for 4 layers: the inputs of layers 2, 2, 1), which only agree if those are read
+    t["model.layers.3.mlp.down_proj.weight"][VOCAB:] = 100 * torch.randn(hidden - VOCAB, cfg["intermediate_size"])
     t["model.embed_tokens.weight"] = torch.eye(VOCAB, hidden)
     t["model.norm.weight"] = torch.ones(hidden)
     t["lm_head.weight"] = perm[:VOCAB].clone()
