@@ -72,6 +72,24 @@ def test_eagle3_random_head_greedy_equals_transformers_with_chunked_prefill_and_
     assert proposer.runner.model.embed_tokens.weight is llm.engine.runner.model.model.embed_tokens.weight
 
 
+def test_eagle3_sampled_and_mixed_requests(target, tmp_path):
+    # a short max_position_embeddings in the head (as trained heads have) still covers the target's positions
+    head = write_head(tmp_path / "head", 64, 96, torch.arange(0, VOCAB, 2), seed=2, max_position_embeddings=16)
+    llm = LLM(model=str(target), device="cpu", dtype="float32", block_size=8, num_kv_blocks=64,
+              enable_prefix_caching=False, speculative_config={"method": "eagle3", "model": head,
+                                                                "num_speculative_tokens": 2})
+    prompts = random_prompts(3, VOCAB, 6, 20, seed=6)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1),
+              SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)]
+    a = llm.generate(prompts, params)
+    b = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert [len(o.outputs[0].token_ids) for o in a] == [12, 12, 5]
+    assert llm.get_stats()["kv_blocks_used"] == 0
+    assert llm.get_stats()["speculative"]["draft_tokens"] > 0
+
+
 def agreeing_pair(path, seed: int = 0):
     """A target whose next token is a fixed permutation g of the current one, and a head that predicts it.
 

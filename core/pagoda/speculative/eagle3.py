@@ -55,6 +55,9 @@ class Eagle3Proposer(MTPProposer):
             raise ConfigError(f"speculative_config.model {spec.model!r}: method 'eagle3' needs an EAGLE-3 head "
                               f"(config.json architectures {list(ARCHITECTURES[:1])}), not {arch}")
         hf_config.architectures = [ARCHITECTURES[0]]
+        # heads are often trained with a short max_position_embeddings: their rope covers the target's length
+        longest = getattr(hf_config, "max_position_embeddings", None) or 0
+        hf_config.max_position_embeddings = max(longest, engine.max_model_len)
         if hf_config.vocab_size != engine.hf_config.vocab_size:
             raise ConfigError(f"speculative_config.model {spec.model!r}: its vocab_size {hf_config.vocab_size} "
                               f"differs from the target's {engine.hf_config.vocab_size}")
