@@ -3,13 +3,12 @@ layer over [embedding, hidden], a draft vocabulary mapped by d2t) drafts; greedy
 plain decoding and of transformers, with chunked prefill and preemption; a head built to agree with the
 target has every draft kept, which checks the aux hidden states, the d2t mapping and the chaining."""
 
-import json
-
 import pytest
 import torch
 from pagoda import LLM, SamplingParams
 from pagoda.errors import ConfigError
 from pagoda.testing import check_greedy, hf_greedy_tokens, make_tiny_checkpoint, random_prompts
+from pagoda.testing.eagle3 import make_eagle3_head
 from safetensors.torch import load_file, save_file
 
 VOCAB = 260
@@ -19,36 +18,7 @@ TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_
 
 def write_head(path, hidden: int, intermediate: int, draft_ids: torch.Tensor, seed: int = 0,
                tensors: dict | None = None, **config) -> str:
-    """An EAGLE-3 head checkpoint as vLLM/SGLang read it (random weights unless ``tensors`` gives them),
-    without embed_tokens (the target's is shared); ``draft_ids``: the target id of each draft id."""
-    path.mkdir(parents=True, exist_ok=True)
-    heads, kv, hd = 4, 2, hidden // 4
-    draft = len(draft_ids)
-    json.dump({"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
-               "intermediate_size": intermediate, "num_attention_heads": heads, "num_key_value_heads": kv,
-               "num_hidden_layers": 1, "vocab_size": VOCAB, "draft_vocab_size": draft, "hidden_act": "silu",
-               "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-               "torch_dtype": "float32", **config}, open(path / "config.json", "w"))
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen) * 0.2
-
-    w = {"fc.weight": rand(hidden, 3 * hidden) * 0.5, "norm.weight": 1 + rand(hidden),
-         "lm_head.weight": rand(draft, hidden) * 5,
-         "d2t": draft_ids.long() - torch.arange(draft), "t2d": torch.isin(torch.arange(VOCAB), draft_ids)}
-    m = "midlayer."
-    for name, shape in [("self_attn.q_proj", (heads * hd, 2 * hidden)), ("self_attn.k_proj", (kv * hd, 2 * hidden)),
-                        ("self_attn.v_proj", (kv * hd, 2 * hidden)), ("self_attn.o_proj", (hidden, heads * hd)),
-                        ("mlp.gate_proj", (intermediate, hidden)), ("mlp.up_proj", (intermediate, hidden)),
-                        ("mlp.down_proj", (hidden, intermediate))]:
-        w[f"{m}{name}.weight"] = rand(*shape)
-    for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
-        w[f"{m}{norm}.weight"] = 1 + rand(hidden)
-    w.update(tensors or {})
-    w = {k: v.clone().contiguous() for k, v in w.items()}
-    save_file(w, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return str(path)
+    return make_eagle3_head(path, VOCAB, hidden, intermediate, draft_ids, seed, tensors, **config)
 
 
 @pytest.fixture(scope="module")
