@@ -7,11 +7,12 @@
 #     for itself (acceptance high by construction: the machinery's ceiling), and n-gram prompt lookup on
 #     repetitive prompts (--prompt-period 8; its plain baseline is the plain row: the prompt's content does
 #     not change plain decoding's speed);
-#     and an EAGLE-3 head with random weights (method eagle3: acceptance near zero, the machinery's cost);
 #  3. MTP: deepseek-v3-4l with random weights (load_format dummy, MTP layer included), batch 1, with and
-#     without method mtp (random weights: acceptance near zero; this measures the cost of the machinery).
+#     without method mtp (random weights: acceptance near zero; this measures the cost of the machinery);
+#  4. EAGLE-3: a random head on the qwen3-0.6b checkpoint, batch 1 and 8 (method eagle3; acceptance near
+#     zero: the machinery's cost against the plain rows).
 # Results go to $OUT (default out/spec): spec.log, lat-*.json (format: pagoda.bench.latency/1), summary.txt.
-#   SPEC_K=4  INPUT_LEN=128  OUTPUT_LEN=96  ITERS=2  RUN_TIMEOUT=45  MTP=1   settings
+#   SPEC_K=4  INPUT_LEN=128  OUTPUT_LEN=96  ITERS=2  RUN_TIMEOUT=45  MTP=1  EAGLE3=1   settings
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/spec}
@@ -24,6 +25,7 @@ OUTPUT_LEN=${OUTPUT_LEN:-96}
 ITERS=${ITERS:-2}
 RUN_TIMEOUT=${RUN_TIMEOUT:-45}
 MTP=${MTP:-1}
+EAGLE3=${EAGLE3:-1}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 T0=$(date +%s)
 say() { echo "[spec +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
@@ -91,13 +93,17 @@ for b in 1 8; do
   lat plain "$b"
   lat draft-self "$b" --speculative-config "{\"method\": \"draft_model\", \"model\": \"$CKPT\", \"num_speculative_tokens\": $SPEC_K}"
   lat ngram "$b" --prompt-period 8 --speculative-config "{\"method\": \"ngram\", \"num_speculative_tokens\": $SPEC_K}"
-  lat eagle3-random "$b" --speculative-config "{\"method\": \"eagle3\", \"model\": \"$HEAD\", \"num_speculative_tokens\": $SPEC_K}"
 done
 if [ "$MTP" = 1 ]; then
   DS=/tmp/spec-deepseek-v3-4l
   $PY -c "from pagoda.bench.shapes import write_shape; write_shape('deepseek-v3-4l', '$DS')" >>"$LOG" 2>&1
   MODEL_DIR=$DS lat ds-plain 1 --load-format dummy
   MODEL_DIR=$DS lat ds-mtp 1 --load-format dummy --speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'
+fi
+if [ "$EAGLE3" = 1 ]; then  # (after MTP: the rows added last)
+  for b in 1 8; do
+    lat eagle3-random "$b" --speculative-config "{\"method\": \"eagle3\", \"model\": \"$HEAD\", \"num_speculative_tokens\": $SPEC_K}"
+  done
 fi
 
 $PY - "$OUT" <<'PYEOF' | tee "$OUT/summary.txt"
