@@ -116,6 +116,12 @@ def test_eagle3_errors_name_the_key(target, tmp_path):
     kw = dict(device="cpu", dtype="float32", num_kv_blocks=16)
     with pytest.raises(ConfigError, match="needs an EAGLE-3 head"):
         LLM(model=str(target), speculative_config={"method": "eagle3", "model": str(target)}, **kw)
+    gemma = make_tiny_checkpoint("gemma2", tmp_path / "gemma", seed=1, vocab_size=VOCAB, hidden_size=32,
+                                 intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+                                 num_key_value_heads=2, head_dim=16)
+    with pytest.raises(ConfigError, match="needs a target that exposes its layers' hidden states"):
+        LLM(model=str(gemma), speculative_config={"method": "eagle3", "model": write_head(
+            tmp_path / "h32", 32, 64, torch.arange(VOCAB))}, **kw)
     head = write_head(tmp_path / "bad", 64, 96, torch.arange(VOCAB),
                       eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 9]})
     with pytest.raises(ConfigError, match="eagle_aux_hidden_state_layer_ids"):

@@ -62,7 +62,7 @@ class Eagle3Proposer(MTPProposer):
             raise ConfigError(f"speculative_config.model {spec.model!r}: its vocab_size {hf_config.vocab_size} "
                               f"differs from the target's {engine.hf_config.vocab_size}")
         target = getattr(runner.model, "model", None)
-        if not hasattr(target, "aux_hidden_state_layers"):
+        if not getattr(runner.model, "supports_eagle3", False) or not hasattr(target, "aux_hidden_state_layers"):
             raise ConfigError(f"speculative_config: method 'eagle3' needs a target that exposes its layers' hidden "
                               f"states (the Llama family); {type(runner.model).__name__} does not")
         self.layer_ids = aux_layer_ids(hf_config, engine.hf_config.num_hidden_layers)

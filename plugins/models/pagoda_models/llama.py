@@ -153,6 +153,7 @@ class LlamaForCausalLM(nn.Module):
     o_bias: bool | None = None
     qk_norm = False
     decoder_layer = LlamaDecoderLayer  # subclasses swap the layer (e.g. MoE MLPs)
+    supports_eagle3 = True  # its LlamaModel records the aux hidden states an EAGLE-3 head reads
 
     def attention_biases(self, config) -> tuple[bool, bool]:
         """(qkv bias, o_proj bias) of this architecture for ``config``."""
