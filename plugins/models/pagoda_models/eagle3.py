@@ -73,6 +73,7 @@ class LlamaForCausalLMEagle3(nn.Module):
         self.lm_head = ParallelLMHead(self.draft_vocab_size, hidden, prefix="lm_head")
         # draft id i is target id i + d2t[i] (identity when the vocabularies are the same)
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long), persistent=False)
+        self.scatter = self.draft_vocab_size != config.vocab_size  # (set again when d2t is loaded)
         self.previous_hidden: torch.Tensor | None = None
         self.embedding_from_target = False  # set by load_weights: the proposer shares the target's embedding
 
@@ -86,7 +87,7 @@ class LlamaForCausalLMEagle3(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [T, target vocab]: the draft vocabulary's, scattered to their target ids, -inf elsewhere."""
         draft = self.lm_head.compute_logits(self.norm(hidden))[:, :self.draft_vocab_size]
-        if self.draft_vocab_size == self.config.vocab_size and not self.d2t.any():
+        if not self.scatter:
             return draft
         full = draft.new_full((draft.shape[0], self.config.vocab_size), float("-inf"))
         ids = torch.arange(self.draft_vocab_size, device=draft.device) + self.d2t
@@ -103,6 +104,7 @@ class LlamaForCausalLMEagle3(nn.Module):
                         raise ModelLoadError(f"eagle3 head: d2t has shape {tuple(tensor.shape)}, config.json's "
                                              f"draft_vocab_size is {self.draft_vocab_size}")
                     self.d2t.copy_(tensor.to(torch.long))
+                    self.scatter = self.scatter or bool(tensor.any())
                 elif name != "t2d":
                     yield name, tensor
 
