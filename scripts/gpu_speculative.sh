@@ -8,9 +8,11 @@
 #     repetitive prompts (--prompt-period 8; its plain baseline is the plain row: the prompt's content does
 #     not change plain decoding's speed);
 #  3. MTP: deepseek-v3-4l with random weights (load_format dummy, MTP layer included), batch 1, with and
-#     without method mtp (random weights: acceptance near zero; this measures the cost of the machinery).
+#     without method mtp (random weights: acceptance near zero; this measures the cost of the machinery);
+#  4. EAGLE-3: a random head on the qwen3-0.6b checkpoint, batch 1 and 8 (method eagle3; acceptance near
+#     zero: the machinery's cost against the plain rows).
 # Results go to $OUT (default out/spec): spec.log, lat-*.json (format: pagoda.bench.latency/1), summary.txt.
-#   SPEC_K=4  INPUT_LEN=128  OUTPUT_LEN=96  ITERS=2  RUN_TIMEOUT=45  MTP=1   settings
+#   SPEC_K=4  INPUT_LEN=128  OUTPUT_LEN=96  ITERS=2  RUN_TIMEOUT=45  MTP=1  EAGLE3=1   settings
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/spec}
@@ -23,6 +25,7 @@ OUTPUT_LEN=${OUTPUT_LEN:-96}
 ITERS=${ITERS:-2}
 RUN_TIMEOUT=${RUN_TIMEOUT:-45}
 MTP=${MTP:-1}
+EAGLE3=${EAGLE3:-1}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 T0=$(date +%s)
 say() { echo "[spec +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
@@ -35,6 +38,7 @@ timeout 90 $PY - <<'PYEOF' 2>&1 | tee -a "$LOG" | grep -E "^(OK|FAIL)"
 import tempfile
 from pagoda import LLM, SamplingParams
 from pagoda.testing import make_tiny_checkpoint, random_prompts
+from pagoda.testing.eagle3 import make_eagle3_head
 
 d = tempfile.mkdtemp()
 make_tiny_checkpoint("llama", d, seed=3, vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -44,12 +48,15 @@ prompts[0] = (prompts[0][:5] * 8)[:40]
 params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 common = dict(device="cuda", dtype="float32", max_num_seqs=8, num_kv_blocks=256)
 want = [o.outputs[0].token_ids for o in LLM(model=d, **common).generate(prompts, params)]
+head = make_eagle3_head(tempfile.mkdtemp(), 260, 64, 96, eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 1]})
 for spec in ({"method": "ngram", "num_speculative_tokens": 4},
-             {"method": "draft_model", "model": d, "num_speculative_tokens": 4}):
+             {"method": "draft_model", "model": d, "num_speculative_tokens": 4},
+             {"method": "eagle3", "model": head, "num_speculative_tokens": 4}):
     llm = LLM(model=d, speculative_config=spec, **common)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     s, dec = llm.get_stats()["speculative"], llm.engine.speculative
-    ok = got == want and s["draft_tokens"] > 0 and dec.verified_as_decodes > 0
+    # (eagle3 reads the target's hidden states after every step: its verifications run as chunks, eagerly)
+    ok = got == want and s["draft_tokens"] > 0 and (dec.verified_as_decodes > 0 or spec["method"] == "eagle3")
     print("OK" if ok else "FAIL", spec["method"], "identical" if got == want else "DIFFERENT",
           f"acceptance {s['acceptance_rate']:.2f}, verifications: {dec.verified_as_decodes} graph/decode rows, "
           f"{dec.verified_as_chunks} chunks")
@@ -66,6 +73,12 @@ model = AutoModelForCausalLM.from_config(shape_config("qwen3-0.6b"), dtype=torch
 model.save_pretrained(sys.argv[1])
 print("saved", sys.argv[1])
 PYEOF
+
+HEAD=/tmp/spec-qwen3-0.6b-eagle3
+say "writing a random EAGLE-3 head for it to $HEAD (draft vocabulary: the first 32000 ids)"
+timeout 120 $PY -c "import torch; from pagoda.testing.eagle3 import make_eagle3_head as m; \
+m('$HEAD', 151936, 1024, 3072, torch.arange(32000), num_attention_heads=16, num_key_value_heads=8, head_dim=128)" \
+  >>"$LOG" 2>&1 || say "writing the EAGLE-3 head failed"
 
 lat() {  # name, batch, extra args...
   local name=$1 batch=$2
@@ -86,6 +99,11 @@ if [ "$MTP" = 1 ]; then
   $PY -c "from pagoda.bench.shapes import write_shape; write_shape('deepseek-v3-4l', '$DS')" >>"$LOG" 2>&1
   MODEL_DIR=$DS lat ds-plain 1 --load-format dummy
   MODEL_DIR=$DS lat ds-mtp 1 --load-format dummy --speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'
+fi
+if [ "$EAGLE3" = 1 ]; then  # (after MTP: the rows added last)
+  for b in 1 8; do
+    lat eagle3-random "$b" --speculative-config "{\"method\": \"eagle3\", \"model\": \"$HEAD\", \"num_speculative_tokens\": $SPEC_K}"
+  done
 fi
 
 $PY - "$OUT" <<'PYEOF' | tee "$OUT/summary.txt"

@@ -102,7 +102,8 @@ class EngineConfig(BaseModel):
     speculative_config: dict | None = Field(None, description="speculative decoding (docs/speculative.md), "
                                             "vLLM's keys: {method: ngram, num_speculative_tokens: 3, "
                                             "prompt_lookup_max: 3, prompt_lookup_min: 1}, {method: draft_model, "
-                                            "model: PATH, num_speculative_tokens: 3} or {method: mtp} (DeepSeek-V3)")
+                                            "model: PATH, num_speculative_tokens: 3}, {method: mtp} (DeepSeek-V3) "
+                                            "or {method: eagle3, model: HEAD} (an EAGLE-3 head)")
     # multimodal models (docs/multimodal.md)
     limit_mm_per_prompt: dict = Field(default_factory=lambda: {"image": 8}, description="most items of each "
                                       "modality one prompt may carry, e.g. {image: 4}; more is a 400 naming the "

@@ -60,6 +60,10 @@ class SpeculativeDecoder:
             from pagoda.speculative.mtp import MTPProposer
 
             self.proposer = MTPProposer(engine, spec)
+        elif spec.method == "eagle3":
+            from pagoda.speculative.eagle3 import Eagle3Proposer
+
+            self.proposer = Eagle3Proposer(engine, spec)
         else:
             from pagoda.speculative.draft_model import DraftModelProposer
 

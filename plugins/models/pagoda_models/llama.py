@@ -128,12 +128,17 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if is_last_stage() else MissingLayer()
         self.pp_hidden_spec = (config.hidden_size, torch.get_default_dtype(), torch.get_default_device())
         self.pipeline_stage = current_stage(config.num_hidden_layers)
+        # opt-in (speculative method eagle3): the residual stream entering these layers, recorded each forward
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self.aux_hidden_states: dict[int, torch.Tensor] = {}
 
     def forward(self, input_ids, positions):
         if self.pipeline_stage is not None:
             return stage_forward(self, self.pipeline_stage, input_ids, positions)
         hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_hidden_state_layers:  # (speculative method eagle3)
+                self.aux_hidden_states[i] = hidden if residual is None else hidden + residual
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
@@ -148,6 +153,7 @@ class LlamaForCausalLM(nn.Module):
     o_bias: bool | None = None
     qk_norm = False
     decoder_layer = LlamaDecoderLayer  # subclasses swap the layer (e.g. MoE MLPs)
+    supports_eagle3 = True  # its LlamaModel records the aux hidden states an EAGLE-3 head reads
 
     def attention_biases(self, config) -> tuple[bool, bool]:
         """(qkv bias, o_proj bias) of this architecture for ``config``."""

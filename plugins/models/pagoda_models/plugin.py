@@ -13,6 +13,7 @@ ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "pagoda_models.deepseek_v3:DeepseekV3ForCausalLM",
     "DeepseekV32ForCausalLM": "pagoda_models.deepseek_v32:DeepseekV32ForCausalLM",
     "DeepSeekMTPModel": "pagoda_models.deepseek_mtp:DeepSeekMTPModel",  # the drafter of speculative method mtp
+    "LlamaForCausalLMEagle3": "pagoda_models.eagle3:LlamaForCausalLMEagle3",  # the drafter of method eagle3
     "Gemma2ForCausalLM": "pagoda_models.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "pagoda_models.gemma3:Gemma3ForCausalLM",
     "MixtralForCausalLM": "pagoda_models.mixtral:MixtralForCausalLM",
