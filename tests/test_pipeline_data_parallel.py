@@ -63,7 +63,8 @@ def test_pp2_llama_matches_one_process_and_transformers_then_a_killed_stage_is_n
         assert _tokens(single.generate(PROMPTS[:2], GREEDY)) == expected[:2]
         pid = runner.worker_pid(1)
         os.kill(pid, signal.SIGKILL)
-        with pytest.raises(WorkerError, match=rf"rank 1 \(pid {pid}\) was killed by SIGKILL") as err:
+        with pytest.raises(WorkerError, match=rf"pipeline-parallel worker failed .*rank 1 \(pid {pid}; "
+                                              rf"pipeline stage 1 of 2, tensor rank 0\) was killed by SIGKILL") as err:
             llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
         assert err.value.ranks == [1]
     finally:

@@ -121,7 +121,7 @@ def _start_local_run(config, source, hf_config, platform, dtype) -> TensorParall
         destroy_parallel_state()
         raise
     return TensorParallelExecutor(runner, _Run(ControlChannel(control, 0, world), store, workers,
-                                               platform.dist_backend))
+                                               platform.dist_backend, config.tensor_parallel_size))
 
 
 def _join_launched_run(config, source, hf_config, platform, dtype, info: RankInfo) -> Any:
@@ -134,7 +134,8 @@ def _join_launched_run(config, source, hf_config, platform, dtype, info: RankInf
         except BaseException:
             destroy_parallel_state()
             raise
-        return TensorParallelExecutor(runner, _Run(channel, store, None, platform.dist_backend))
+        return TensorParallelExecutor(runner, _Run(channel, store, None, platform.dist_backend,
+                                                   config.tensor_parallel_size))
     from pagoda.distributed.worker_main import serve_rank
 
     try:
@@ -159,9 +160,10 @@ class _Run:
     """What the executor shares with the watch threads and its finalizer (never the executor
     itself, so that dropping the engine tears the run down)."""
 
-    def __init__(self, channel: ControlChannel, store: Any, workers: Any, backend: str):
+    def __init__(self, channel: ControlChannel, store: Any, workers: Any, backend: str, tp_size: int = 1):
         self.channel, self.store, self.workers, self.backend = channel, store, workers, backend
         self.world_size = channel.world_size
+        self.tp_size = tp_size  # ranks per pipeline stage (global rank = stage x tp_size + tensor rank)
         self.exits: dict[int, int] = {}  # ranks whose process ended unexpectedly -> return code
         self.error: WorkerError | None = None
         self.closed = False
@@ -185,7 +187,11 @@ class _Run:
             code = exited.get(rank)
             if report is None and code is None:
                 continue
-            who = f"rank {rank}" + (f" (pid {self.workers.pid(rank)})" if self.workers is not None else "")
+            details = [f"pid {self.workers.pid(rank)}"] if self.workers is not None else []
+            if self.world_size > self.tp_size:  # pipeline parallel: name the stage too
+                details.append(f"pipeline stage {rank // self.tp_size} of {self.world_size // self.tp_size}, "
+                               f"tensor rank {rank % self.tp_size}")
+            who = f"rank {rank}" + (f" ({'; '.join(details)})" if details else "")
             found[rank] = f"{who} raised {report}" if report else f"{who} {describe_exit(code)}"
         return found
 
@@ -328,7 +334,8 @@ class TensorParallelExecutor:
             found = run.failed_ranks()
         if found:
             ordered = sorted(found.items(), key=lambda kv: (_secondary(kv[1]), kv[0]))
-            error = WorkerError(f"tensor-parallel worker failed during {what}: "
+            kind = "pipeline-parallel" if run.world_size > run.tp_size else "tensor-parallel"
+            error = WorkerError(f"{kind} worker failed during {what}: "
                                 + "; ".join(text for _, text in ordered)
                                 + ". The engine has stopped; create a new one.", [r for r, _ in ordered])
         elif communication:
