@@ -33,6 +33,8 @@ from typing import Any
 from pagoda.config import EngineConfig
 from pagoda.distributed.dp_replica import ENV_ADDRESS, ENV_AUTHKEY, ENV_INDEX
 from pagoda.distributed.failures import WorkerError, describe_exit
+from pagoda.engine.prompt_ids import check_prompt_ids
+from pagoda.engine.prompt_ids import prompt_token_ids as prompt_ids
 from pagoda.errors import ConfigError, RequestError
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -238,6 +240,11 @@ class DataParallelEngine:
     def _loads(self) -> list[float]:
         return [len(r.unfinished) + r.kv_usage() * self.config.max_num_seqs for r in self.replicas]
 
+    def _tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError("this model has no tokenizer: pass token ids", field="prompt")
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
     def add_request(self, request_id: str | None, prompt: str | list[int] | None,
                     params: SamplingParams | None = None, prompt_token_ids: list[int] | None = None,
                     arrival_time: float | None = None, multi_modal_data=None, mm_inputs=None,
@@ -256,20 +263,8 @@ class DataParallelEngine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use", field="request_id")
         text = prompt if isinstance(prompt, str) else None
-        if prompt_token_ids is None:
-            if isinstance(prompt, str):
-                if self.tokenizer is None:
-                    raise RequestError("this model has no tokenizer: pass token ids", field="prompt")
-                prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-            elif isinstance(prompt, (list, tuple)):
-                prompt_token_ids = list(prompt)
-            else:
-                raise RequestError("a prompt (text or token ids) is required", field="prompt")
-        vocab = self.hf_config.vocab_size
-        if not prompt_token_ids:
-            raise RequestError("the prompt is empty", field="prompt")
-        if not all(type(t) is int and 0 <= t < vocab for t in prompt_token_ids):
-            raise RequestError(f"prompt token ids must be integers in [0, {vocab})", field="prompt")
+        prompt_token_ids = prompt_ids(prompt, prompt_token_ids, self._tokenize)
+        check_prompt_ids(prompt_token_ids, self.hf_config.vocab_size)
         if len(prompt_token_ids) >= self.max_model_len:
             raise RequestError(f"the prompt has {len(prompt_token_ids)} tokens; this model's max_model_len "
                                f"is {self.max_model_len}, which leaves no room for output", field="prompt")

@@ -16,6 +16,8 @@ from pagoda.engine.kv_groups import blocks_for_one_sequence
 from pagoda.engine.lookahead import DecodeLookahead
 from pagoda.engine.model_runner import ModelRunner
 from pagoda.engine.pipeline import StepPipeline
+from pagoda.engine.prompt_ids import check_prompt_ids
+from pagoda.engine.prompt_ids import prompt_token_ids as prompt_ids
 from pagoda.engine.request_controls import RequestControls
 from pagoda.engine.step_budget import choose_step_budget
 from pagoda.errors import ConfigError, RequestError
@@ -199,24 +201,14 @@ class LLMEngine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use", field="request_id")
         text = prompt if isinstance(prompt, str) else None
-        if prompt_token_ids is None:
-            if isinstance(prompt, str):
-                prompt_token_ids = self.tokenize(prompt)
-            elif isinstance(prompt, (list, tuple)):
-                prompt_token_ids = list(prompt)
-            else:
-                raise RequestError("a prompt (text or token ids) is required", field="prompt")
+        prompt_token_ids = prompt_ids(prompt, prompt_token_ids, self.tokenize)
         if multi_modal_data is not None and mm_inputs is None:
             images = self.mm_processor.images_of(multi_modal_data) if self.mm_processor is not None \
                 else [(None, "multi_modal_data")]
             mm_inputs = self.process_multimodal(list(prompt_token_ids), images)
         if mm_inputs is not None:
             prompt_token_ids = mm_inputs.prompt_token_ids
-        vocab = self.hf_config.vocab_size
-        if not prompt_token_ids:
-            raise RequestError("the prompt is empty", field="prompt")
-        if not all(type(t) is int and 0 <= t < vocab for t in prompt_token_ids):  # bools are not token ids
-            raise RequestError(f"prompt token ids must be integers in [0, {vocab})", field="prompt")
+        check_prompt_ids(prompt_token_ids, self.hf_config.vocab_size)
         budget = self.max_model_len - len(prompt_token_ids)
         if budget < 1:
             raise RequestError(f"the prompt has {len(prompt_token_ids)} tokens; this model's max_model_len "

@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from pagoda.engine.prompt_ids import check_prompt_ids
+from pagoda.engine.prompt_ids import prompt_token_ids as prompt_ids
 from pagoda.errors import RequestError
 from pagoda.forward_context import set_forward_context
 from pagoda.pooling.heads import build_score_head
@@ -87,19 +89,9 @@ class PoolingEngine:
         if request_id in engine.requests:
             raise RequestError(f"request id {request_id!r} is already in use", field="request_id")
         text = prompt if isinstance(prompt, str) else None
-        if prompt_token_ids is None:
-            if isinstance(prompt, str):
-                prompt_token_ids = engine.tokenize(prompt)
-            elif isinstance(prompt, (list, tuple)):
-                prompt_token_ids = list(prompt)
-            else:
-                raise RequestError("a prompt (text or token ids) is required", field="prompt")
-        vocab = engine.hf_config.vocab_size
-        if not prompt_token_ids:
-            raise RequestError("the prompt is empty", field="prompt")
-        if not all(type(t) is int and 0 <= t < vocab for t in prompt_token_ids):
-            raise RequestError(f"prompt token ids must be integers in [0, {vocab})", field="prompt")
-        ids = fit_prompt(list(prompt_token_ids), engine.max_model_len, params.truncate_prompt_tokens, "prompt")
+        prompt_token_ids = prompt_ids(prompt, prompt_token_ids, engine.tokenize)
+        check_prompt_ids(prompt_token_ids, engine.hf_config.vocab_size)
+        ids = fit_prompt(prompt_token_ids, engine.max_model_len, params.truncate_prompt_tokens, "prompt")
         request = Request(request_id, text, ids, SamplingParams(max_tokens=1), arrival_time or time.time())
         engine.requests[request_id] = request
         self.params[request_id] = params

@@ -1,0 +1,27 @@
+"""A request's prompt as token ids, checked where every engine front takes one (``LLMEngine``, the
+pooling runner, the data-parallel front): the same refusals, naming the ``prompt`` field."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pagoda.errors import RequestError
+
+
+def prompt_token_ids(prompt, token_ids: list[int] | None, tokenize: Callable[[str], list[int]]) -> list[int]:
+    """``token_ids`` when given, else ``prompt`` tokenized (text) or copied (a list of ids)."""
+    if token_ids is not None:
+        return list(token_ids)
+    if isinstance(prompt, str):
+        return tokenize(prompt)
+    if isinstance(prompt, (list, tuple)):
+        return list(prompt)
+    raise RequestError("a prompt (text or token ids) is required", field="prompt")
+
+
+def check_prompt_ids(token_ids: list[int], vocab_size: int) -> None:
+    """Refuse an empty prompt and ids outside the vocabulary (bools are not token ids)."""
+    if not token_ids:
+        raise RequestError("the prompt is empty", field="prompt")
+    if not all(type(t) is int and 0 <= t < vocab_size for t in token_ids):
+        raise RequestError(f"prompt token ids must be integers in [0, {vocab_size})", field="prompt")
