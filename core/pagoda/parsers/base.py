@@ -324,3 +324,25 @@ class BufferedReasoningStream(ReasoningStream):
         if not done:
             return None, None
         return self.parser.extract(self.buf, self.initial)
+
+
+class StateMachineStream(ToolCallStream):
+    """A stream written as states: ``advance`` calls ``_<state>()`` until one returns False (it
+    needs more text). ``_eat(n)`` takes n characters from ``buf``, remembered in ``raw`` while
+    ``collecting`` (text to give back as content if what looked like a call is none)."""
+
+    def __init__(self, parser: ToolParser, state: str):
+        super().__init__(parser)
+        self.state = state
+        self.raw = ""
+        self.collecting = False
+
+    def advance(self) -> None:
+        while getattr(self, "_" + self.state)():
+            pass
+
+    def _eat(self, size: int) -> str:
+        taken, self.buf = self.buf[:size], self.buf[size:]
+        if self.collecting:
+            self.raw += taken
+        return taken

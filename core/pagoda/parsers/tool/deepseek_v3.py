@@ -19,7 +19,7 @@ DSML format is not this parser's. A section that holds no call is content.
 
 from __future__ import annotations
 
-from pagoda.parsers.base import ToolCallStream, ToolParser
+from pagoda.parsers.base import StateMachineStream, ToolCallStream, ToolParser
 from pagoda.parsers.scan import WS, find_marker, starts_with_marker
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -35,26 +35,14 @@ class DeepSeekV3ToolParser(ToolParser):
         return DeepSeekStream(self)
 
 
-class DeepSeekStream(ToolCallStream):
+class DeepSeekStream(StateMachineStream):
+    # raw: text read after the anchor while no call has started
     def __init__(self, parser: ToolParser):
-        super().__init__(parser)
-        self.state = "content"
+        super().__init__(parser, "content")
         self.anchor = CALLS_BEGIN  # the marker given back as content if no call follows it
-        self.raw = ""  # text read after the anchor while no call has started
-        self.collecting = False
         self.in_section = 0  # calls made in the current section
         self.head = ""
         self.args_end: tuple[str, ...] = ()
-
-    def advance(self) -> None:
-        while getattr(self, "_" + self.state)():
-            pass
-
-    def _eat(self, size: int) -> str:
-        taken, self.buf = self.buf[:size], self.buf[size:]
-        if self.collecting:
-            self.raw += taken
-        return taken
 
     def _not_a_call(self) -> bool:
         if self.collecting:

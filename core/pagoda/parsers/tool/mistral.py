@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-from pagoda.parsers.base import ToolCallStream, ToolParser, derived_id
+from pagoda.parsers.base import StateMachineStream, ToolCallStream, ToolParser, derived_id
 from pagoda.parsers.scan import WS, find_marker
 from pagoda.parsers.tool.json_call import JsonCallReader
 
@@ -37,25 +37,13 @@ class MistralToolParser(ToolParser):
         return MistralStream(self)
 
 
-class MistralStream(ToolCallStream):
+class MistralStream(StateMachineStream):
+    # raw: text read since the last [TOOL_CALLS], while no call has started after it
     def __init__(self, parser: ToolParser):
-        super().__init__(parser)
-        self.state = "content"
-        self.raw = ""  # text read since the last [TOOL_CALLS], while no call has started after it
-        self.collecting = False
+        super().__init__(parser, "content")
         self.reader: JsonCallReader | None = None
         self.name = ""
         self.call_id: str | None = None
-
-    def advance(self) -> None:
-        while getattr(self, "_" + self.state)():
-            pass
-
-    def _eat(self, size: int) -> str:
-        taken, self.buf = self.buf[:size], self.buf[size:]
-        if self.collecting:
-            self.raw += taken
-        return taken
 
     def _not_a_call(self) -> bool:
         """What followed [TOOL_CALLS] is no call: before any call of the section the marker

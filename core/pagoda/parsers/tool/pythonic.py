@@ -17,7 +17,7 @@ from __future__ import annotations
 import ast
 import json
 
-from pagoda.parsers.base import ToolCallStream, ToolParser
+from pagoda.parsers.base import StateMachineStream, ToolCallStream, ToolParser
 from pagoda.parsers.scan import WS, starts_with_marker
 
 PY_START, PY_END = "<|python_start|>", "<|python_end|>"
@@ -111,16 +111,11 @@ class PythonListScanner:
         return min(i, n)
 
 
-class PythonicStream(ToolCallStream):
+class PythonicStream(StateMachineStream):
+    # raw: the text of a candidate list, given back as content if it is not one
     def __init__(self, parser: ToolParser):
-        super().__init__(parser)
-        self.state = "start"
-        self.raw = ""  # the text of a candidate list, given back as content if it is not one
+        super().__init__(parser, "start")
         self.scanner = PythonListScanner()
-
-    def advance(self) -> None:
-        while getattr(self, "_" + self.state)():
-            pass
 
     def _start(self) -> bool:
         rest = self.buf.lstrip(WS)
