@@ -55,9 +55,13 @@ def server():
 def test_the_server_keeps_to_its_own_document(server, tmp_path):
     (tmp_path / "schemathesis.toml").write_text(CONFIG)
     seed = os.environ.get("PAGODA_SCHEMATHESIS_SEED", "20261201")
+    # one worker: CPython 3.11 keeps the AST constructor's recursion depth per interpreter, not per thread, so
+    # hypothesis parsing source in several schemathesis worker threads at once fails now and then with
+    # "SystemError: AST constructor recursion depth mismatch" (python/cpython#106905); serializing ast.parse
+    # in the hooks was not enough (CI of 2026-12-02)
     cmd = [str(Path(sys.executable).parent / "schemathesis"), "run", server.url + "/openapi.json",
            "--header", f"Authorization: Bearer {KEY}", "--max-examples", "6", "--request-timeout", "120",
-           "--exclude-checks", "positive_data_acceptance", "--workers", "4", "--no-color",
+           "--exclude-checks", "positive_data_acceptance", "--workers", "1", "--no-color",
            "--wait-for-schema", "60"]
     if seed != "random":
         cmd += ["--seed", seed, "--generation-deterministic"]

@@ -144,3 +144,36 @@ def test_rejection_sampling_is_exact_with_a_draft_vocabulary():
         assert tokens[:kept] == d[:kept]
         first[tokens[0]] += 1
     assert (first / draws - p[0]).abs().max() < 0.025, first / draws
+
+
+def test_a_failing_drafter_costs_speed_not_requests(target, tmp_path):
+    """The head raising inside its step (after the target's forward) and inside another step's proposal:
+    every request still gets plain decoding's tokens, and the blocks of the head's shadows are given back."""
+    head = write_head(tmp_path / "head", 64, 96, torch.arange(0, VOCAB, 2), seed=2)
+    prompts = random_prompts(3, VOCAB, 6, 20, seed=6)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    params = [greedy, SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True), greedy]
+    kw = dict(device="cpu", dtype="float32", block_size=8, num_kv_blocks=64, enable_prefix_caching=False)
+    plain = LLM(model=str(target), **kw).generate(prompts, greedy)
+    llm = LLM(model=str(target), **kw, speculative_config={"method": "eagle3", "model": head,
+                                                          "num_speculative_tokens": 2})
+    decoder, proposer = llm.engine.speculative, llm.engine.speculative.proposer
+    chain, calls = proposer._draft_chain, []
+
+    def draft_chain(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        return chain(*args)
+
+    proposer._draft_chain = draft_chain
+    got = llm.generate(prompts, greedy)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    assert decoder.drafter_failures == 1 and not proposer.shadows
+    proposer._draft_chain = chain
+    proposer.propose = lambda *a: (_ for _ in ()).throw(RuntimeError("drafter down"))
+    got = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got][::2] == [plain[0].outputs[0].token_ids,
+                                                          plain[2].outputs[0].token_ids]
+    assert all(o.outputs[0].finish_reason == "length" for o in got)
+    assert decoder.drafter_failures > 1 and llm.get_stats()["kv_blocks_used"] == 0

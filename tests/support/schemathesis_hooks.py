@@ -10,9 +10,7 @@ document lists those as 400s with their codes (`pagoda.server.openapi.SEMANTIC_4
 check is the built-in one, except that a 400 carrying one of those codes is a documented refusal.
 """
 
-import ast
 import json
-import threading
 
 import schemathesis
 from pagoda.server.openapi import SEMANTIC_400_CODES
@@ -38,21 +36,6 @@ def positive_data_acceptance_beyond_the_schema(ctx, response, case):
         if response.status_code == 400 and _error_code(response) in SEMANTIC_400_CODES:
             return None
         raise
-
-
-# CPython 3.11 keeps the AST constructor's recursion depth per interpreter, not per thread: two threads
-# parsing at once (hypothesis describes strategy lambdas with ast.parse, schemathesis runs --workers
-# threads) fail with "SystemError: AST constructor recursion depth mismatch" (CPython gh-106905). One
-# parse at a time in this process.
-_ast_parse, _ast_lock = ast.parse, threading.RLock()
-
-
-def _serialized_parse(*args, **kwargs):
-    with _ast_lock:
-        return _ast_parse(*args, **kwargs)
-
-
-ast.parse = _serialized_parse
 
 
 SHORT = 3  # output tokens: at most this many for a schema-valid request, this many when a request does not say

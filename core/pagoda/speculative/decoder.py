@@ -74,6 +74,7 @@ class SpeculativeDecoder:
         # (tests); False always chunks
         self.verify_as_decodes: bool | None = None
         self.verified_as_decodes = self.verified_as_chunks = 0  # verification steps of each form
+        self.drafter_failures = 0  # steps whose drafting raised (logged; those sequences went on plainly)
         # a proposer that reads the target's hidden states after each step (mtp) sees every step
         self.after_step = getattr(self.proposer, "after_step", None)
         if self.after_step is not None:
@@ -160,8 +161,25 @@ class SpeculativeDecoder:
             if it.seq.status is SequenceStatus.RUNNING:
                 bm.trim_slots(it.seq, it.seq.num_tokens)  # blocks that held only rejected drafts
         if self.after_step is not None:
-            self.after_step(vout, hidden, qsl, engine, self.may_speculate)
+            try:
+                self.after_step(vout, hidden, qsl, engine, self.may_speculate)
+            except Exception as exc:
+                self._drafter_failed(exc, [it.seq for it in vout.scheduled])
         return outputs
+
+    def _drafter_failed(self, exc: BaseException, seqs: list[Sequence]) -> None:
+        """A drafter that fails costs speed, never requests: the verification keeps outputs exact
+        whatever is drafted, so the sequences it was drafting for go on without this step's drafts and the
+        error is logged. The proposer forgets them: a draft model reads them again from the start, an
+        MTP layer or EAGLE-3 head (whose state follows the target's steps) does not draft for them again."""
+        self.drafter_failures += 1
+        log = logger.error if self.drafter_failures == 1 else logger.debug
+        log("speculative decoding: the %s drafter failed (%s: %s); %d sequences go on without drafts",
+            self.spec.method, type(exc).__name__, exc, len(seqs), exc_info=exc)
+        forget = getattr(self.proposer, "forget", None)
+        for seq in seqs:
+            if forget is not None:
+                forget(seq.seq_id)
 
     def _draft(self, out: SchedulerOutput) -> tuple[dict[int, list[int]], dict]:
         """Drafted tokens by seq_id, appended to each sequence's token_ids with their KV slots
@@ -184,7 +202,11 @@ class SpeculativeDecoder:
                 room -= k
         if not seqs:
             return {}, {}
-        proposed, q = self.proposer.propose(seqs, ks, engine)
+        try:
+            proposed, q = self.proposer.propose(seqs, ks, engine)
+        except Exception as exc:
+            self._drafter_failed(exc, seqs)
+            return {}, {}
         drafts = {}
         for seq, k in zip(seqs, ks):
             d = proposed.get(seq.seq_id, [])[:k]
