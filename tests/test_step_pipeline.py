@@ -108,7 +108,7 @@ def test_timeline_marks_every_launch(model):
 
     prompts = random_prompts(6, 256, 3, 40, seed=1)
     llm = _llm(model, True)
-    timeline = llm.engine.pipeline.timeline = StepTimeline(cuda=False)
+    timeline = llm.engine.pipeline.timeline = StepTimeline(llm.engine.platform)
     timeline.start()
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     timeline.stop()
@@ -121,3 +121,41 @@ def test_timeline_marks_every_launch(model):
     assert total == pytest.approx(summary["wall_ms"])
     assert "start -> prefill" in summary["idle_ms"] and "decode -> end" in summary["idle_ms"]
     assert len(summary["largest_gaps_ms"]) == 3
+
+
+def test_a_platform_that_queues_work_gets_the_pipeline_through_its_own_methods(model, monkeypatch):
+    """The core asks the platform, never a device type: one whose ``supports_async_steps`` is set gets the
+    step pipeline by default, its ``record_event`` marks each launched step's copy (and is waited on),
+    and each step's inputs go through its ``pin``."""
+    from pagoda.kernels import host_upload
+    from pagoda.platforms.cpu import CpuPlatform
+
+    marks, pinned = [], []
+
+    class Mark:
+        def synchronize(self):
+            marks.append("waited")
+
+    def record_event(self, timing=False):
+        marks.append("recorded")
+        return Mark()
+
+    def pin(self, host):
+        pinned.append(host.shape)
+        return host
+
+    monkeypatch.setattr(CpuPlatform, "supports_async_steps", True)
+    monkeypatch.setattr(CpuPlatform, "record_event", record_event)
+    monkeypatch.setattr(CpuPlatform, "pin", pin)
+    host_upload._pin_for.cache_clear()
+    try:
+        prompts = random_prompts(4, 256, 3, 30, seed=2)
+        llm = _llm(model, False)
+        assert llm.engine.pipeline is not None
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    finally:
+        host_upload._pin_for.cache_clear()
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy_tokens(model, prompts, 8)
+    assert llm.engine.pipeline.launched_ahead > 3
+    assert marks.count("recorded") >= llm.engine.pipeline.launched_ahead and "waited" in marks
+    assert pinned

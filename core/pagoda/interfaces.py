@@ -29,6 +29,9 @@ class Platform:
     # device is auto, selects this platform; if the platform is unavailable that is an error
     # carrying unavailable_reason(), never a fallback to another device. None: no switch.
     env_switch: str | None = None
+    # Whether the engine may launch a step before the previous step's sampled tokens reach the host
+    # (pagoda.engine.pipeline): the device queues work, copies without waiting, and record_event works.
+    supports_async_steps: bool = False
 
     def is_available(self) -> bool:
         return self.unavailable_reason() is None
@@ -73,6 +76,23 @@ class Platform:
     def step_token_budget(self, flops_per_token: float) -> int | None:
         """A smaller budget for steps while sequences decode, that bounds their stall given the model's
         FLOPs per token (``pagoda.engine.step_budget``); None: no bound (the default budget)."""
+        return None
+
+    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed host tensor the device copies from and to without waiting (page-locked memory on
+        devices that have it; plain memory by default)."""
+        import torch
+
+        return torch.zeros(shape, dtype=dtype)
+
+    def pin(self, host: torch.Tensor) -> torch.Tensor:
+        """``host`` in memory the device copies from without waiting (``host`` itself by default)."""
+        return host
+
+    def record_event(self, timing: bool = False) -> Any:
+        """A mark of the work queued so far on the current stream, with ``synchronize()`` (and, with
+        ``timing``, ``elapsed_time(later_mark)`` in ms); None on devices whose work is done when queued
+        (the CPU), where callers use the host clock."""
         return None
 
     def graph_pool(self) -> Any:

@@ -88,6 +88,17 @@ def select_platform(device: str, reg: PluginRegistry | None = None, source: str 
     return platform
 
 
+def platform_of(device) -> Platform:
+    """The registered platform whose ``device_type`` is ``device``'s type (a torch.device or its type
+    string), for code that holds a device rather than the engine's platform (host uploads)."""
+    device_type = getattr(device, "type", device)
+    for entry in get_registry().platforms.entries.values():
+        if entry.obj.device_type == device_type:
+            return entry.obj
+    raise PluginError(f"no registered platform has device type {device_type!r} (registered: "
+                      f"{', '.join(get_registry().platforms.names())})")
+
+
 def select_attention_backend(name: str, platform: Platform, dtype: str, spec: AttentionSpec,
                              reg: PluginRegistry | None = None) -> AttentionBackend:
     reg = reg or get_registry()

@@ -68,9 +68,9 @@ def hf_embed(model, prompts: list[list[int]], batch_size: int, device, max_secon
 
 def _run_baseline(args, hf_config, model_dir: str | None, tmp: str, dtype, device) -> tuple[dict, str, object]:
     """Run HF first (before pagoda takes the device's memory); returns (result, model dir, reference embeddings)."""
-    import torch
 
     from pagoda.bench.baselines import load_hf_model
+    from pagoda.selection import platform_of
 
     model = load_hf_model(model_dir, hf_config, dtype, device).eval()
     if model_dir is None:  # a shape: transformers' random weights, saved for pagoda to load
@@ -78,19 +78,16 @@ def _run_baseline(args, hf_config, model_dir: str | None, tmp: str, dtype, devic
         model.save_pretrained(model_dir, safe_serialization=True)
     vocab = hf_config.vocab_size
     hf_embed(model, _prompts(args.hf_batch_size, args.input_len, vocab, 999), args.hf_batch_size, device, 60)  # warm
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    platform_of(device).synchronize()
     prompts = _prompts(args.num_prompts, args.input_len, vocab, args.prompt_seed)
     vectors, elapsed, done = hf_embed(model, prompts, args.hf_batch_size, device, args.baseline_max_seconds)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    platform_of(device).synchronize()
     result = {"engine": "transformers", "batch_size": args.hf_batch_size, "prompts": done,
               "elapsed_seconds": elapsed, "embeddings_per_s": done / elapsed,
               "tokens_per_s": done * args.input_len / elapsed, "capped": done < len(prompts)}
     reference = vectors[: args.check_prompts]
     del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    platform_of(device).empty_cache()
     return result, model_dir, reference
 
 

@@ -11,6 +11,8 @@ import time
 
 import torch
 
+from pagoda.selection import platform_of
+
 
 def run_hf_baseline(hf_config, model_dir: str | None, prompts: list[list[int]], output_len: int,
                     device: torch.device, dtype: torch.dtype, max_seconds: float) -> dict:
@@ -26,18 +28,15 @@ def run_hf_baseline(hf_config, model_dir: str | None, prompts: list[list[int]], 
     try:
         with torch.inference_mode():
             model.generate(ids[:, :8], max_new_tokens=2, min_new_tokens=2, **kwargs)  # warm-up
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            platform_of(device).synchronize()
             t1 = time.perf_counter()
             out = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len,
                                  max_time=max_seconds, **kwargs)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            platform_of(device).synchronize()
             elapsed = time.perf_counter() - t1
     finally:
         del model
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        platform_of(device).empty_cache()
     generated = (out.shape[1] - ids.shape[1]) * ids.shape[0]
     return {
         "engine": "transformers", "load_seconds": load_s, "elapsed_seconds": elapsed,

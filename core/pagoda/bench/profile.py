@@ -89,7 +89,7 @@ def profile_timeline(llm, prompts: list[list[int]], params) -> dict | None:
     engine = llm.engine
     if engine.pipeline is None:
         return None
-    timeline = StepTimeline(cuda=engine.platform.device_type == "cuda")
+    timeline = StepTimeline(engine.platform)
     engine.pipeline.timeline = timeline
     try:
         engine.platform.synchronize()
@@ -161,8 +161,7 @@ def _profile_prefill_step(engine, on_gpu: bool) -> dict:
     with torch.profiler.profile(activities=_activities(on_gpu)) as prof:
         t0 = time.perf_counter()
         engine.step()
-        if on_gpu:
-            torch.cuda.synchronize()
+        engine.platform.synchronize()
         wall = time.perf_counter() - t0
     tokens = sum(s.num_computed_tokens for s in sched.running) - before
     return {"tokens": tokens, "wall_seconds": wall, "kernels": _kernel_table(prof, 1, on_gpu),

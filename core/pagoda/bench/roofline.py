@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from pagoda.selection import platform_of
+
 
 @dataclass
 class Ceilings:
@@ -24,7 +26,7 @@ class Ceilings:
 
 
 def _timed(fn, device: torch.device, repeats: int) -> float:
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = platform_of(device).synchronize
     fn()
     sync()
     best = float("inf")

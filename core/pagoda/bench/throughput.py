@@ -155,6 +155,7 @@ def run(args) -> int:
     from pagoda import LLM, SamplingParams, __version__
     from pagoda.bench.roofline import Ceilings, Workload, measure_ceilings, model_counts, workload_floor
     from pagoda.engine.gc_freeze import freeze_startup_objects, release_startup_objects
+    from pagoda.selection import platform_of
 
     with tempfile.TemporaryDirectory(prefix="pagoda-bench-") as tmp:
         config = _build_config(args, tmp)
@@ -271,8 +272,7 @@ def run(args) -> int:
             llm.shutdown()
             del llm, engine, runner
             gc.collect()  # the engine's KV cache and graphs go before the baseline allocates
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            platform_of(device).empty_cache()
             try:
                 result["baseline"] = run_hf_baseline(
                     hf_config, model_dir, _prompts(args.num_prompts, args.input_len, vocab, args.prompt_seed),

@@ -42,15 +42,15 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.buckets = bucket_sizes(self.max_bs)
         dev = runner.device
-        pin = dev.type == "cuda"
+        host = runner.platform.host_buffer  # page-locked where the platform has it
         b, w = self.max_bs, self.width
         self.num_groups = g = runner.kv_layout.num_groups
         # int64 rows: input ids, positions, then the slots of each group, then (enable_lora) each row's
         # LoRA adapter slot (-1: the base; padding rows too); int32 rows: seq lens, token seq lens
         self.lora = runner.lora
-        self.host64 = torch.zeros(2 + g + (self.lora is not None), b, dtype=torch.int64, pin_memory=pin)
-        self.host32 = torch.zeros(2, b, dtype=torch.int32, pin_memory=pin)
-        self.host_tables = torch.zeros(g, w, b, dtype=torch.int32, pin_memory=pin)  # [group, block index, row]
+        self.host64 = host((2 + g + (self.lora is not None), b), torch.int64)
+        self.host32 = host((2, b), torch.int32)
+        self.host_tables = host((g, w, b), torch.int32)  # [group, block index, row]
         self.dev64 = torch.zeros(self.host64.shape[0], b, dtype=torch.int64, device=dev)
         self.dev32 = torch.zeros(2, b, dtype=torch.int32, device=dev)
         self.dev_tables = torch.zeros(g, w, b, dtype=torch.int32, device=dev)
@@ -63,7 +63,7 @@ class DecodeGraphs:
         # what each table row holds: (seq_id, num_preemptions) and how many blocks were written
         self.row_owner: list[tuple[int, int] | None] = [None] * b
         self.row_blocks = [0] * b
-        self.copied = None  # CUDA event after the last step's host->device uploads
+        self.copied = None  # Platform.record_event() after the last step's host->device uploads
 
     def _views(self, bucket: int):
         ids, positions, slots = self.dev64[0, :bucket], self.dev64[1, :bucket], self.dev64[2, :bucket]
@@ -153,9 +153,7 @@ class DecodeGraphs:
             self.dev64[0, :n].copy_(input_ids)
         if patch is not None:
             self.dev64[0].index_copy_(0, patch[0], patch[1])
-        if self.runner.device.type == "cuda":
-            self.copied = torch.cuda.Event()
-            self.copied.record()
+        self.copied = self.runner.platform.record_event()
         graph = self.graphs[bucket]
         graph.replay()
         if self.contexts[bucket].expert_counts:

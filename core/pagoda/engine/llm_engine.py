@@ -95,12 +95,13 @@ class LLMEngine:
         if config.runner != "pooling":  # (a pooling runner only prefills: decode graphs would go unused)
             graph_batch = self.speculative.graph_batch_size(config.max_num_seqs) if self.speculative else None
             self.runner.capture_graphs(graph_batch or config.max_num_seqs, self.max_model_len)
-        # offline steps launched ahead of the host work: every step on one CUDA device
-        # (pagoda.engine.pipeline), decode steps of a tensor-parallel engine (pagoda.engine.lookahead)
+        # offline steps launched ahead of the host work: every step on one device whose platform queues
+        # work asynchronously (pagoda.engine.pipeline), decode steps of a tensor-parallel engine
+        # (pagoda.engine.lookahead)
         self.pipeline: StepPipeline | None = None
         self.lookahead: DecodeLookahead | None = None
         if isinstance(self.runner, ModelRunner):
-            if self.runner.device.type == "cuda":
+            if self.platform.supports_async_steps:
                 self.pipeline = StepPipeline(self)
         elif getattr(self.runner, "graphs", None) is not None:
             self.lookahead = DecodeLookahead(self)

@@ -36,7 +36,7 @@ class PendingDecode:
     num_seqs: int
     tokens: torch.Tensor  # [num_seqs] int64, device
     host: torch.Tensor  # pinned, [>= num_seqs]
-    event: object | None  # torch.cuda.Event (None on devices whose copies are synchronous)
+    event: object | None  # Platform.record_event() after the copy (None on devices whose copies are synchronous)
 PROMPT_LOGITS_ROWS = 512  # prompt positions whose logits are computed at once (prompt_logprobs)
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -285,17 +285,12 @@ class ModelRunner:
         """Copy a launched step's tokens [n] to a pinned host buffer in the background."""
         n = tokens.shape[0]
         if self._token_hosts is None:
-            pin = self.device.type == "cuda"
             size = max(self.config.max_num_seqs, self.graphs.max_bs if self.graphs is not None else 0)
-            self._token_hosts = [torch.empty(size, dtype=torch.int64, pin_memory=pin) for _ in (0, 1)]
+            self._token_hosts = [self.platform.host_buffer((size,), torch.int64) for _ in (0, 1)]
         host = self._token_hosts[self._token_turn]
         self._token_turn ^= 1  # two steps may be in flight: alternate the host buffers
         host[:n].copy_(tokens, non_blocking=True)
-        event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        return PendingDecode(n, tokens, host, event)
+        return PendingDecode(n, tokens, host, self.platform.record_event())
 
     def collect_decode(self, pending: PendingDecode) -> list[int]:
         """Wait for a launched decode step; its tokens in batch order."""

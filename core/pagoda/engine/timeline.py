@@ -1,10 +1,10 @@
 """When the device works and when it waits, step by step (``pagoda bench throughput --profile``).
 
 The step pipeline (``pagoda.engine.pipeline``) marks each step it launches: a mark before the
-launch and one after it. On a CUDA device a mark is an event in the step's stream, so the
-first completes when the device reaches the step (when the previous work is done, or when
-the host launched it if the device was idle) and the second when the step's work is done;
-elsewhere (synchronous devices) a mark is the host clock. From the marks: each step's device
+launch and one after it. On a device that queues work (CUDA) a mark is an event in the step's
+stream (``Platform.record_event``), so the first completes when the device reaches the step
+(when the previous work is done, or when the host launched it if the device was idle) and the
+second when the step's work is done; on synchronous devices a mark is the host clock. From the marks: each step's device
 time and the device's idle time before it, which is host time the pipeline did not hide.
 """
 
@@ -16,19 +16,17 @@ from dataclasses import dataclass, field
 
 @dataclass
 class StepTimeline:
-    cuda: bool
+    platform: object  # pagoda.interfaces.Platform
     steps: list = field(default_factory=list)  # (kind, tokens, begin mark, end mark)
     origin: object = None
     closing: object = None
 
-    def mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        import torch
+    @property
+    def events(self) -> bool:
+        return self.platform.supports_async_steps
 
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+    def mark(self):
+        return self.platform.record_event(timing=True) if self.events else time.perf_counter()
 
     def start(self) -> None:
         self.origin = self.mark()
@@ -41,14 +39,14 @@ class StepTimeline:
         self.steps.append((kind, out.num_batched_tokens, begin, end))
 
     def _ms(self, mark) -> float:
-        if self.cuda:
+        if self.events:
             return self.origin.elapsed_time(mark)
         return (mark - self.origin) * 1e3
 
     def summary(self, top: int = 5) -> dict:
         """Milliseconds from ``start`` to ``stop``: device time per step kind, idle time before
         the first step, between steps (by the kinds on either side) and after the last one."""
-        if self.cuda:
+        if self.events:
             self.closing.synchronize()
         wall = self._ms(self.closing)
         busy: dict[str, list] = {}

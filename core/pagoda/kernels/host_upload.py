@@ -2,15 +2,19 @@
 
 A copy from pageable host memory may wait for all the work queued before it on the stream
 (inside a model's first layer, or the whole previous step when the engine launches steps
-ahead); from pinned memory it is queued like a kernel. The caching host allocator recycles
-the pinned buffers. Used for each step's inputs (``pagoda.engine.inputs``) and by kernels
+ahead); from pinned memory it is queued like a kernel. The device's platform pins
+(``Platform.pin``; the CPU's copies need nothing). Used for each step's inputs (``pagoda.engine.inputs``) and by kernels
 that build per-step index tensors on the host (pagoda-cuda's prefill tile maps).
 """
 
 from __future__ import annotations
 
+from functools import cache
+
 import numpy as np
 import torch
+
+from pagoda.selection import platform_of
 
 
 def upload(array: np.ndarray, device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -18,6 +22,9 @@ def upload(array: np.ndarray, device, dtype: torch.dtype | None = None) -> torch
     host = torch.from_numpy(np.ascontiguousarray(array))
     if dtype is not None:
         host = host.to(dtype)
-    if getattr(device, "type", device) == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
+    return _pin_for(getattr(device, "type", device))(host).to(device, non_blocking=True)
+
+
+@cache
+def _pin_for(device_type: str):
+    return platform_of(device_type).pin

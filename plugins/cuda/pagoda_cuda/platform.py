@@ -31,6 +31,7 @@ class CudaPlatform(Platform):
     dist_backend = "nccl"
     default_dtype = "bfloat16"
     supports_graphs = True
+    supports_async_steps = True  # kernels and copies queue on the stream; events mark them
 
     def unavailable_reason(self) -> str | None:
         try:
@@ -94,6 +95,22 @@ class CudaPlatform(Platform):
         import torch
 
         torch.cuda.empty_cache()
+
+    def host_buffer(self, shape: tuple[int, ...], dtype) -> Any:
+        """Page-locked: a copy from pageable memory may wait for all the work queued before it."""
+        import torch
+
+        return torch.zeros(shape, dtype=dtype, pin_memory=True)
+
+    def pin(self, host) -> Any:
+        return host.pin_memory()  # (the caching host allocator recycles these buffers)
+
+    def record_event(self, timing: bool = False) -> Any:
+        import torch
+
+        event = torch.cuda.Event(enable_timing=timing)
+        event.record()
+        return event
 
     def graph_pool(self) -> Any:
         """A new memory pool. One engine captures all its decode buckets into one pool (largest
