@@ -52,3 +52,34 @@ def test_greedy_batch_with_chunked_prefill_and_preemption(tiny):
 def test_every_checkpoint_tensor_is_loaded(tiny):
     _, path = tiny
     assert_weights_consumed(path)
+
+
+def test_scoring_a_prompt_between_steps_leaves_running_requests_alone(tmp_path):
+    """``LLMEngine.score_prompt`` (behind ``LLM.prompt_logits``) borrows free blocks for one prefill and
+    gives them back; a request decoding meanwhile gets the tokens it gets alone; bad prompts name the field."""
+    import torch
+    from pagoda import SamplingParams
+    from pagoda.errors import RequestError
+
+    path = make_tiny_checkpoint("llama", tmp_path / "m", seed=1, **TINY)
+    llm = LLM(model=str(path), device="cpu", dtype="float32", num_kv_blocks=32, block_size=8, max_model_len=128)
+    prompt, other = random_prompts(2, 320, 20, 30, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([prompt], params)[0].outputs[0].token_ids
+    engine = llm.engine
+    engine.add_request("r", prompt, params)
+    engine.step()
+    engine.step()
+    scored = engine.score_prompt(other)
+    assert scored.shape == (len(other), 320) and scored.dtype == torch.float32
+    torch.testing.assert_close(scored, llm.prompt_logits(other))
+    tokens = []
+    while engine.has_unfinished_requests():
+        tokens = [o for o in engine.step() if o.finished] or tokens
+    assert tokens[0].outputs[0].token_ids == alone
+    assert llm.get_stats()["kv_blocks_used"] == 0
+    with pytest.raises(RequestError, match=r"\[0, 320\)") as bad:
+        engine.score_prompt([1, 320])
+    assert bad.value.field == "prompt"
+    with pytest.raises(RequestError, match="max_model_len=128"):
+        engine.score_prompt([1] * 129)

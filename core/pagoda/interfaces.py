@@ -32,6 +32,9 @@ class Platform:
     # Whether the engine may launch a step before the previous step's sampled tokens reach the host
     # (pagoda.engine.pipeline): the device queues work, copies without waiting, and record_event works.
     supports_async_steps: bool = False
+    # The environment variable that limits a process to some of the devices ("CUDA_VISIBLE_DEVICES"): each
+    # data-parallel replica gets its own through it. None: replicas share the device (the CPU).
+    visible_devices_env: str | None = None
 
     def is_available(self) -> bool:
         return self.unavailable_reason() is None

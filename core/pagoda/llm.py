@@ -13,8 +13,6 @@ from pagoda.config import EngineConfig, load_engine_config
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
-from pagoda.scheduler import ScheduledSeq, SchedulerOutput
-from pagoda.sequence import Sequence
 
 
 class LLM:
@@ -141,18 +139,7 @@ class LLM:
     def prompt_logits(self, prompt_token_ids: Seq[int]) -> torch.Tensor:
         """Logits [len(prompt), vocab] (float32, on the CPU) of every prompt position, computed
         in one prefill through the paged path. For tests and scoring."""
-        engine = self.engine
-        if self.config.data_parallel_size > 1:
-            raise ValueError("prompt_logits scores on one engine: use data_parallel_size 1")
-        seq = Sequence("score", 0, list(prompt_token_ids), SamplingParams(max_tokens=1))
-        if not engine.block_manager.allocate_slots(seq, seq.num_tokens):
-            raise RuntimeError("not enough free KV blocks to score this prompt")
-        try:
-            seq.num_computed_tokens = 0  # compute every position, even a cached prefix
-            out = SchedulerOutput([ScheduledSeq(seq, seq.num_tokens, True)], 0, seq.num_tokens)
-            return engine.runner.forward_all_logits(out).cpu()
-        finally:
-            engine.block_manager.free(seq)
+        return self.engine.score_prompt(prompt_token_ids)
 
     def get_stats(self) -> dict:
         return self.engine.get_stats()

@@ -115,7 +115,7 @@ class DataParallelEngine:
         for i in range(size):
             extra = {ENV_INDEX: str(i)}
             if devices is not None:
-                extra["CUDA_VISIBLE_DEVICES"] = ",".join(devices[i])
+                extra[self.platform.visible_devices_env] = ",".join(devices[i])
             proc = subprocess.Popen([sys.executable, "-m", "pagoda.distributed.dp_replica"], env={**env, **extra})
             self.replicas.append(_Replica(i, proc))
         self._finalizer = weakref.finalize(self, _stop, self.replicas, self._listener)
@@ -142,13 +142,14 @@ class DataParallelEngine:
 
     # ------------------------------------------------------------------ start-up
     def _device_lists(self, size: int, ranks: int) -> list[list[str]] | None:
-        if self.platform.device_type != "cuda":
+        var = self.platform.visible_devices_env
+        if var is None:  # replicas share the device (the CPU)
             return None
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        visible = os.environ.get(var)
         ids = [d for d in visible.split(",") if d] if visible else [str(i) for i in range(self.platform.device_count())]
         if len(ids) < size * ranks:
-            raise ConfigError(f"data_parallel_size={size} x {ranks} ranks per replica needs {size * ranks} cuda "
-                              f"devices, but {len(ids)} are visible")
+            raise ConfigError(f"data_parallel_size={size} x {ranks} ranks per replica needs {size * ranks} "
+                              f"{self.platform.name} devices, but {len(ids)} are visible")
         return [ids[i * ranks:(i + 1) * ranks] for i in range(size)]
 
     def _connect(self, config_json: str, finished_only: bool) -> None:
@@ -327,6 +328,9 @@ class DataParallelEngine:
         return outputs
 
     # ------------------------------------------------------------------ stats, shutdown
+    def score_prompt(self, prompt_token_ids):
+        raise ConfigError("prompt logits are scored on one engine: use data_parallel_size 1")
+
     def get_stats(self) -> dict[str, Any]:
         """Sums over the replicas (as of their last reports), and each replica's own under
         ``data_parallel``."""

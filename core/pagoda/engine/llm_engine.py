@@ -6,7 +6,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagoda.block_manager import BlockManager
 from pagoda.config import EngineConfig
@@ -26,11 +26,14 @@ from pagoda.loader.model_loader import load_config
 from pagoda.loader.source import resolve_source
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
-from pagoda.scheduler import Scheduler
+from pagoda.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from pagoda.selection import select_platform
 from pagoda.sequence import Request, Sequence, SequenceStatus
 from pagoda.speculative.decoder import create_speculative_decoder
 from pagoda.tokenizer import load_tokenizer, tokenizer_location
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("pagoda")
 
@@ -422,6 +425,31 @@ class LLMEngine:
             shutdown()
 
     # ------------------------------------------------------------------ stats
+    def score_prompt(self, prompt_token_ids) -> torch.Tensor:
+        """Logits [len(prompt), vocab] (float32, on the CPU) of every prompt position, computed in one
+        prefill through the paged path, outside the scheduler (scoring, quantization checks, tests). Its
+        KV blocks are taken from the free pool and given back; running requests are not disturbed."""
+        ids = list(prompt_token_ids)
+        check_prompt_ids(ids, self.hf_config.vocab_size)
+        if len(ids) > self.max_model_len:
+            raise RequestError(f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}",
+                               field="prompt")
+        seq = Sequence("score", 0, ids, SamplingParams(max_tokens=1))
+        if not self.block_manager.allocate_slots(seq, seq.num_tokens):
+            raise RequestError(f"not enough free KV blocks to score a {seq.num_tokens}-token prompt "
+                               f"({self.block_manager.num_free_blocks} free)")
+        try:
+            seq.num_computed_tokens = 0  # compute every position, even a cached prefix
+            out = SchedulerOutput([ScheduledSeq(seq, seq.num_tokens, True)], 0, seq.num_tokens)
+            return self.runner.forward_all_logits(out).cpu()
+        finally:
+            self.block_manager.free(seq)
+
+    @property
+    def parameter_count(self) -> int:
+        """Parameters of the loaded model (under tensor parallelism: of rank 0's shard)."""
+        return sum(p.numel() for p in self.runner.model.parameters())
+
     def get_stats(self) -> dict[str, Any]:
         bm = self.block_manager
         stats = {

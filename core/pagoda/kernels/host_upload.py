@@ -14,8 +14,6 @@ from functools import cache
 import numpy as np
 import torch
 
-from pagoda.selection import platform_of
-
 
 def upload(array: np.ndarray, device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``array`` (optionally converted to ``dtype``) on ``device``, copied without waiting."""
@@ -27,4 +25,6 @@ def upload(array: np.ndarray, device, dtype: torch.dtype | None = None) -> torch
 
 @cache
 def _pin_for(device_type: str):
+    from pagoda.selection import platform_of  # (imported here: selection loads the plugins, which load kernels)
+
     return platform_of(device_type).pin

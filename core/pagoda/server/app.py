@@ -155,8 +155,7 @@ def model_info(async_engine: AsyncEngine) -> dict:
     engine = async_engine.engine
     path = engine.source.path
     files = [path] if path.is_file() else [p for p in path.iterdir() if p.is_file()]
-    params = engine.parameter_count if engine.runner is None else sum(  # data parallel: replica 0's count
-        p.numel() for p in engine.runner.model.parameters())
+    params = engine.parameter_count  # (data parallel: replica 0's count)
     size = next((f"{params / scale:.{digits}f}{unit}" for scale, unit, digits in
                  ((1e9, "B", 1), (1e6, "M", 0), (1e3, "K", 0)) if params >= scale), str(params))
     mtime = max((p.stat().st_mtime for p in files), default=time.time())

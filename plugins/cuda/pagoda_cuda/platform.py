@@ -32,6 +32,7 @@ class CudaPlatform(Platform):
     default_dtype = "bfloat16"
     supports_graphs = True
     supports_async_steps = True  # kernels and copies queue on the stream; events mark them
+    visible_devices_env = "CUDA_VISIBLE_DEVICES"
 
     def unavailable_reason(self) -> str | None:
         try:

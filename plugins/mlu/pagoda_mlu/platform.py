@@ -32,6 +32,7 @@ class MluPlatform(Platform):
     device_type = "mlu"
     priority = 20  # above cpu: a machine with a working MLU uses it under device: auto
     dist_backend = "cncl"  # Cambricon's collective library, registered with torch.distributed by torch_mlu
+    visible_devices_env = "MLU_VISIBLE_DEVICES"  # (Cambricon's CUDA_VISIBLE_DEVICES)
     default_dtype = "float16"
     env_switch = "PAGODA_USE_CAMB"
 
