@@ -213,12 +213,7 @@ class ModelRunner:
             seqs = [it.seq for it in out.scheduled]
         else:
             inputs = self._inputs(out)
-            ctx = self._context(inputs)
-            with set_forward_context(ctx):
-                hidden = self.model(inputs.input_ids, inputs.positions, **inputs.model_kwargs)
-                logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
-                prompt = self._prompt_logprobs(out, inputs, hidden)
-            self._accumulate_experts(ctx)
+            logits, prompt = self._forward(inputs, prompt_logprobs_of=out)
             seqs = inputs.sample_seqs
             if prompt:
                 result = self.sampler(logits[: len(seqs)], seqs) if seqs else SampleResult([], [])
@@ -227,6 +222,20 @@ class ModelRunner:
         if not seqs:
             return SampleResult([], [])
         return self.sampler(logits[: len(seqs)], seqs)
+
+    def _forward(self, inputs: StepInputs, prompt_logprobs_of: SchedulerOutput | None = None, all_rows: bool = False,
+                 count_experts: bool = True) -> tuple[torch.Tensor, dict[int, list]]:
+        """The one eager forward of every step form: (logits of the sampling rows, or of every row with
+        ``all_rows``; the prompt logprobs of ``prompt_logprobs_of``'s sequences that want them). The
+        experts' token counts of MoE layers are accumulated unless ``count_experts`` is False (scoring)."""
+        ctx = self._context(inputs)
+        with set_forward_context(ctx):
+            hidden = self.model(inputs.input_ids, inputs.positions, **inputs.model_kwargs)
+            logits = self.model.compute_logits(hidden if all_rows else hidden.index_select(0, inputs.sample_indices))
+            prompt = {} if prompt_logprobs_of is None else self._prompt_logprobs(prompt_logprobs_of, inputs, hidden)
+        if count_experts:
+            self._accumulate_experts(ctx)
+        return logits, prompt
 
     def _prompt_logprobs(self, out: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor) -> dict[int, list]:
         """Prompt logprobs of the sequences that want them, over the prompt positions this step
@@ -257,19 +266,13 @@ class ModelRunner:
         indices), device tensors: the input ids of decode ``rows`` are ``tokens[indices]``
         (a previous step's tokens, not yet on the host)."""
         if self.graphs is not None and self.graphs.can_run(out):
-            n = len(out.scheduled)
             logits = self.graphs.run(out, patch=None if feed is None else (feed[1], feed[0].index_select(0, feed[2])))
-            return self._pending(logits[:n].argmax(dim=-1))
+            return self._pending_greedy(logits, len(out.scheduled))
         inputs = self._inputs(out)
         if feed is not None:
             tokens, rows, indices = feed
             inputs.input_ids.index_copy_(0, rows, tokens.index_select(0, indices))
-        ctx = self._context(inputs)
-        with set_forward_context(ctx):
-            hidden = self.model(inputs.input_ids, inputs.positions, **inputs.model_kwargs)
-            logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
-        self._accumulate_experts(ctx)
-        return self._pending(logits[: len(inputs.sample_seqs)].argmax(dim=-1))
+        return self._pending_greedy(self._forward(inputs)[0], len(inputs.sample_seqs))
 
     @torch.inference_mode()
     def launch_decode(self, out: SchedulerOutput, ahead: int = 0,
@@ -277,13 +280,12 @@ class ModelRunner:
         """Start a greedy decode step from the captured graphs without waiting for it (the
         decode lookahead of tensor-parallel engines, ``pagoda.engine.lookahead``).
         ``ahead``/``input_ids``: see ``DecodeGraphs.run``."""
-        n = len(out.scheduled)
-        logits = self.graphs.run(out, ahead, input_ids)
-        return self._pending(logits[:n].argmax(dim=-1))
+        return self._pending_greedy(self.graphs.run(out, ahead, input_ids), len(out.scheduled))
 
-    def _pending(self, tokens: torch.Tensor) -> PendingDecode:
-        """Copy a launched step's tokens [n] to a pinned host buffer in the background."""
-        n = tokens.shape[0]
+    def _pending_greedy(self, logits: torch.Tensor, n: int) -> PendingDecode:
+        """The greedy tokens of a launched step's first ``n`` logits rows, copied to a page-locked host
+        buffer in the background (launched steps are greedy: ``pagoda.engine.pipeline``)."""
+        tokens = logits[:n].argmax(dim=-1)
         if self._token_hosts is None:
             size = max(self.config.max_num_seqs, self.graphs.max_bs if self.graphs is not None else 0)
             self._token_hosts = [self.platform.host_buffer((size,), torch.int64) for _ in (0, 1)]
@@ -301,10 +303,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_all_logits(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits of every scheduled token (tests and scoring): [T, vocab] float32."""
-        inputs = self._inputs(out)
-        with set_forward_context(self._context(inputs)):
-            hidden = self.model(inputs.input_ids, inputs.positions, **inputs.model_kwargs)
-            return self.model.compute_logits(hidden).float()
+        return self._forward(self._inputs(out), all_rows=True, count_experts=False)[0].float()
 
     def forget(self, seq_id: int) -> None:
         """A sequence finished or was aborted: drop its per-sequence state."""
