@@ -25,7 +25,7 @@ class DefaultKVAllocator(KVAllocator):
             return int(config.kv_cache_memory_gb * GiB)
         free, total = platform.memory_info()
         budget = int(free - (1.0 - config.memory_utilization) * total)
-        cap = getattr(platform, "max_default_kv_cache_bytes", None)
+        cap = platform.max_default_kv_cache_bytes
         return min(budget, cap) if cap else budget
 
     def num_blocks(self, platform: Platform, bytes_per_block: int, config) -> int:

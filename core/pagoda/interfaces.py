@@ -35,6 +35,9 @@ class Platform:
     # The environment variable that limits a process to some of the devices ("CUDA_VISIBLE_DEVICES"): each
     # data-parallel replica gets its own through it. None: replicas share the device (the CPU).
     visible_devices_env: str | None = None
+    # A cap on the KV cache when the config sizes it from free memory (kv_cache_memory_gb and num_kv_blocks
+    # unset): the CPU's 1 GiB keeps a laptop's memory for the rest; None: no cap.
+    max_default_kv_cache_bytes: int | None = None
 
     def is_available(self) -> bool:
         return self.unavailable_reason() is None
@@ -211,7 +214,29 @@ class AttentionBackend:
         """MHA: q [T, num_heads*head_size], k/v [T, num_kv_heads*head_size] for the new
         tokens; stores k/v at ``meta.slot_mapping`` then returns [T, num_heads*head_size].
         ``layer.spec`` is the AttentionSpec. MLA backends define ``forward_mla`` instead."""
-        raise NotImplementedError
+        raise NotImplementedError(f"attention backend {self.name!r} has no multi-head attention (kinds: "
+                                  f"{', '.join(self.kinds)})")
+
+    def forward_mla(self, layer: Any, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c_normed: torch.Tensor,
+                    k_pe: torch.Tensor, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
+        """MLA (kind "mla"; ``pagoda.layers.mla``): q_nope [T, N, P], q_pe [T, N, R], kv_c_normed [T, L],
+        k_pe [T, R]; stores [latent | k_pe] at ``meta.slot_mapping`` in kv_cache [B, block, L + R], then
+        returns [T, N, V]."""
+        raise NotImplementedError(f"attention backend {self.name!r} has no MLA (kinds: {', '.join(self.kinds)})")
+
+    def forward_sparse_mla(self, layer: Any, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c_normed: torch.Tensor,
+                           k_pe: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
+                           index_weights: torch.Tensor, kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
+        """Sparse MLA (kind "mla_sparse", DeepSeek-V3.2; ``pagoda.layers.sparse_mla`` documents the
+        arguments): the indexer picks each query's top-k cached tokens, MLA attends over them."""
+        raise NotImplementedError(f"attention backend {self.name!r} has no sparse MLA (kinds: "
+                                  f"{', '.join(self.kinds)})")
+
+
+class MLABackend(AttentionBackend):
+    """Base of the backends that run only MLA layers: they implement ``forward_mla``."""
+
+    kinds: tuple[str, ...] = ("mla",)
 
 
 # ---------------------------------------------------------------------------- KV allocator

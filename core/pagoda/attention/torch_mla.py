@@ -12,19 +12,15 @@ import torch
 
 from pagoda.attention.torch_paged import attend, gather_cache
 from pagoda.forward_context import AttentionMetadata, get_forward_context
-from pagoda.interfaces import AttentionBackend
+from pagoda.interfaces import MLABackend
 from pagoda.kernels import get_op
 from pagoda.layers.attention import is_quantized_kv_cache
 
 
-class TorchMLAAttention(AttentionBackend):
+class TorchMLAAttention(MLABackend):
     name = "torch_mla"
     priority = 0
     platforms = ("*",)
-    kinds = ("mla",)
-
-    def forward(self, layer, q, k, v, kv_cache, meta):
-        raise NotImplementedError("torch_mla runs MLA layers (forward_mla), not multi-head attention")
 
     def forward_mla(self, layer, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c_normed: torch.Tensor,
                     k_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -41,9 +41,6 @@ class TorchSparseMLAAttention(AttentionBackend):
     def kv_cache_shape(self, spec, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (num_blocks, block_size, spec.head_size)  # [latent | k_pe | index_k] per token
 
-    def forward(self, layer, q, k, v, kv_cache, meta):
-        raise NotImplementedError("torch_mla_sparse runs sparse MLA layers (forward_sparse_mla)")
-
     def forward_sparse_mla(self, layer, q_nope, q_pe, kv_c_normed, k_pe, index_q, index_k, index_weights,
                            kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         spec = layer.spec

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagoda.interfaces import AttentionBackend, AttentionSpec
+from pagoda.interfaces import AttentionSpec, MLABackend
 
 from pagoda_cuda.attention.availability import triton_unavailable_reason
 
@@ -23,12 +23,11 @@ class MLAStepData:
     prefill: dict | None = None  # host-built index tensors of the expanded prefill
 
 
-class TritonMLAAttention(AttentionBackend):
+class TritonMLAAttention(MLABackend):
     name = "triton_mla"
     priority = 10
     platforms = ("cuda", "cpu")  # cpu only under TRITON_INTERPRET=1 (tests)
     auto_platforms = ("cuda",)
-    kinds = ("mla",)
     dtypes = ("float32", "float16", "bfloat16")
     supports_graphs = True
 
@@ -46,9 +45,6 @@ class TritonMLAAttention(AttentionBackend):
 
     def prepare(self, meta) -> MLAStepData:
         return MLAStepData()
-
-    def forward(self, layer, q, k, v, kv_cache, meta):
-        raise NotImplementedError("triton_mla runs MLA layers (forward_mla), not multi-head attention")
 
     def _prefill_index(self, meta, data: MLAStepData, device) -> dict:
         """Per prefill sequence: its cached tokens' slots, one-token-page tables and offsets."""

@@ -59,9 +59,6 @@ class TritonSparseMLAAttention(AttentionBackend):
         device = meta.seq_lens.device
         return SparseStepData(upload(seq_of.astype(np.int32), device), upload(positions.astype(np.int32), device))
 
-    def forward(self, layer, q, k, v, kv_cache, meta):
-        raise NotImplementedError("triton_mla_sparse runs sparse MLA layers (forward_sparse_mla)")
-
     def forward_sparse_mla(self, layer, q_nope, q_pe, kv_c_normed, k_pe, index_q, index_k, index_weights,
                            kv_cache, meta):
         import torch
