@@ -4,11 +4,11 @@ token counts, never wall time), the thread count, and what `pagoda serve` prints
 import pytest
 import torch
 from pagoda import LLM, SamplingParams
-from pagoda.block_manager import BlockManager
+from pagoda.engine.block_manager import BlockManager
+from pagoda.engine.scheduler import Scheduler
+from pagoda.engine.sequence import Sequence
 from pagoda.engine.step_budget import flops_per_token
 from pagoda.platforms import cpu as cpu_platform
-from pagoda.scheduler import Scheduler
-from pagoda.sequence import Sequence
 from pagoda.testing import make_tiny_checkpoint
 
 

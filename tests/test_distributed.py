@@ -16,17 +16,17 @@ import pytest
 import torch
 from pagoda import LLM, SamplingParams
 from pagoda.config import EngineConfig
-from pagoda.distributed.control import Kind
-from pagoda.distributed.executor import TensorParallelExecutor, _Run
-from pagoda.distributed.failures import WorkerError, describe_exit, read_failure, report_failure
 from pagoda.distributed.process_group import RankInfo, check_world
-from pagoda.distributed.step_codec import StepDecoder, StepEncoder
-from pagoda.distributed.worker_main import serve_rank
+from pagoda.engine.executor.control import Kind
+from pagoda.engine.executor.failures import WorkerError, describe_exit, read_failure, report_failure
+from pagoda.engine.executor.step_codec import StepDecoder, StepEncoder
+from pagoda.engine.executor.tensor_parallel import TensorParallelExecutor, _Run
+from pagoda.engine.executor.worker_main import serve_rank
+from pagoda.engine.scheduler import ScheduledSeq, SchedulerOutput
+from pagoda.engine.sequence import Sequence
 from pagoda.errors import ConfigError
 from pagoda.interfaces import Platform
 from pagoda.loader.lazy_tensor import LazyTensor
-from pagoda.scheduler import ScheduledSeq, SchedulerOutput
-from pagoda.sequence import Sequence
 from pagoda.testing import hf_greedy_tokens, hf_prompt_logits, make_tiny_checkpoint, random_prompts
 
 pytestmark = pytest.mark.timeout(300)  # a hang in a collective fails the test instead of the run

@@ -4,10 +4,10 @@ blocks a Gemma-style model (window and global layers mixed) holds per sequence i
 
 import pytest
 from pagoda import LLM, SamplingParams
-from pagoda.block_manager import NULL_BLOCK, BlockManager
+from pagoda.engine.block_manager import NULL_BLOCK, BlockManager
 from pagoda.engine.kv_groups import blocks_for_one_sequence, plan_kv_layout
+from pagoda.engine.sequence import Sequence
 from pagoda.sampling_params import SamplingParams as Params
-from pagoda.sequence import Sequence
 from pagoda.testing import hf_greedy_tokens, make_tiny_checkpoint, random_prompts
 
 PAGE = ("mha", (2, 1, 8, 4, 64))

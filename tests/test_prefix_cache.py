@@ -6,8 +6,8 @@ import sys
 
 import pytest
 from pagoda import LLM, SamplingParams
-from pagoda.block_manager import BlockManager, chain_hash
-from pagoda.sequence import Sequence
+from pagoda.engine.block_manager import BlockManager, chain_hash
+from pagoda.engine.sequence import Sequence
 from pagoda.testing import make_tiny_checkpoint, random_prompts
 
 VOCAB = 260
@@ -131,7 +131,7 @@ def test_block_hash_is_a_stable_chain_digest():
     assert a == chain_hash(0, (1, 2, 3)) and a != chain_hash(0, (1, 2, 4)) and a != chain_hash(1, (1, 2, 3))
     assert a.bit_length() > 64  # 128-bit digest, not Python's 64-bit hash()
     # the same in another interpreter (whatever its PYTHONHASHSEED)
-    code = "from pagoda.block_manager import chain_hash; print(chain_hash(0, (1, 2, 3)))"
+    code = "from pagoda.engine.block_manager import chain_hash; print(chain_hash(0, (1, 2, 3)))"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": "123", "PATH": ""})
     assert int(other.stdout) == a

@@ -10,8 +10,8 @@ import httpx
 import pytest
 from pagoda import LLM, SamplingParams
 from pagoda import logits_processors as logits_module
-from pagoda import sampler as sampler_module
 from pagoda.config import EngineConfig
+from pagoda.engine import sampler as sampler_module
 from pagoda.errors import RequestError
 from pagoda.server import ServerConfig, ServerThread, build_app
 from pagoda.testing import make_tiny_checkpoint

@@ -1,9 +1,9 @@
 """The sampler: greedy, filters, seeds independent of the batch, penalties, logprobs."""
 
 import torch
-from pagoda.sampler import Sampler
+from pagoda.engine.sampler import Sampler
+from pagoda.engine.sequence import Sequence
 from pagoda.sampling_params import SamplingParams
-from pagoda.sequence import Sequence
 
 V = 50
 
@@ -83,8 +83,8 @@ def test_logprobs_are_the_raw_log_softmax():
 
 
 def test_detokenizer_flushes_a_split_character_when_the_sequence_ends():
-    from pagoda.detokenizer import Detokenizer
-    from pagoda.sequence import SequenceStatus
+    from pagoda.engine.detokenizer import Detokenizer
+    from pagoda.engine.sequence import SequenceStatus
 
     class ByteTokenizer:  # token id = one byte
         def decode(self, ids, skip_special_tokens=True):

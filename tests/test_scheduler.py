@@ -5,10 +5,10 @@ import random
 import subprocess
 import sys
 
-from pagoda.block_manager import BlockManager
+from pagoda.engine.block_manager import BlockManager
+from pagoda.engine.scheduler import Scheduler
+from pagoda.engine.sequence import Sequence, SequenceStatus
 from pagoda.sampling_params import SamplingParams
-from pagoda.scheduler import Scheduler
-from pagoda.sequence import Sequence, SequenceStatus
 
 
 def make(num_blocks=16, block_size=4, max_seqs=8, budget=32, max_len=64, prefix=True):
@@ -28,7 +28,7 @@ def run_step(sched, next_token=7):
 
 
 def test_scheduler_and_block_manager_import_no_torch():
-    code = "import sys, pagoda.scheduler, pagoda.block_manager; assert 'torch' not in sys.modules"
+    code = "import sys, pagoda.engine.scheduler, pagoda.engine.block_manager; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

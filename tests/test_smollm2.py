@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 from pagoda import LLM, SamplingParams
-from pagoda.detokenizer import Detokenizer
-from pagoda.sequence import Sequence
+from pagoda.engine.detokenizer import Detokenizer
+from pagoda.engine.sequence import Sequence
 
 pytestmark = [
     pytest.mark.smollm2,

@@ -7,7 +7,7 @@ import argparse
 import pytest
 import torch
 from pagoda import LLM, SamplingParams
-from pagoda.block_manager import chain_hash
+from pagoda.engine.block_manager import chain_hash
 from pagoda.errors import ConfigError
 from pagoda.speculative.acceptance import accept_sampled
 from pagoda.testing import check_greedy, hf_greedy_tokens, make_tiny_checkpoint, random_prompts

@@ -6,7 +6,7 @@ with prefix caching, and batches that fall back to the usual path (memory pressu
 
 import pytest
 from pagoda import LLM, SamplingParams
-from pagoda.scheduler import PENDING_TOKEN
+from pagoda.engine.scheduler import PENDING_TOKEN
 from pagoda.testing import cut_at_stops, hf_greedy_tokens, make_tiny_checkpoint, random_prompts, set_eos_token
 
 TINY = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

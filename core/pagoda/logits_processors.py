@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pagoda.sequence import Sequence
+from pagoda.engine.sequence import Sequence
 
 NEG_INF = float("-inf")
 

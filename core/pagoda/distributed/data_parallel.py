@@ -32,7 +32,7 @@ from typing import Any
 
 from pagoda.config import EngineConfig
 from pagoda.distributed.dp_replica import ENV_ADDRESS, ENV_AUTHKEY, ENV_INDEX
-from pagoda.distributed.failures import WorkerError, describe_exit
+from pagoda.engine.executor.failures import WorkerError, describe_exit
 from pagoda.engine.prompt_ids import check_prompt_ids
 from pagoda.engine.prompt_ids import prompt_token_ids as prompt_ids
 from pagoda.errors import ConfigError, RequestError

@@ -10,7 +10,7 @@ weights are never read) and caches KV for them alone. What runs where:
 - the last stage: its layers and the final norm.
 
 A step: every rank receives the scheduled batch (the control plane of
-``pagoda.distributed.executor``); stage 0 embeds and runs its layers, then sends the hidden
+``pagoda.engine.executor.tensor_parallel``); stage 0 embeds and runs its layers, then sends the hidden
 states and the residual [tokens, hidden] to the same tensor-parallel slot of the next stage
 (``torch.distributed`` send/recv: NCCL on CUDA, gloo on CPU), and so on; the last stage norms
 and sends the final hidden states back to stage 0, whose LM head computes the logits that

@@ -3,7 +3,7 @@
 Two ways to start the ranks of one model:
 
 - pagoda starts them itself (``tensor_parallel_size: N`` in a plain process): the engine's
-  process is rank 0 and starts ranks 1..N-1 as ``python -m pagoda.distributed.worker_main``
+  process is rank 0 and starts ranks 1..N-1 as ``python -m pagoda.engine.executor.worker_main``
   on this machine, rendezvousing through a ``torch.distributed.TCPStore`` on 127.0.0.1;
 - torchrun (or any launcher that sets the ``env://`` variables RANK, WORLD_SIZE,
   MASTER_ADDR, MASTER_PORT, LOCAL_RANK): every process runs the same command, the one with

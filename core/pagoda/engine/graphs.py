@@ -21,8 +21,8 @@ import logging
 import numpy as np
 import torch
 
+from pagoda.engine.scheduler import SchedulerOutput
 from pagoda.forward_context import AttentionMetadata, ForwardContext, prepared_context, set_forward_context
-from pagoda.scheduler import SchedulerOutput
 
 logger = logging.getLogger("pagoda")
 

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagoda.engine.scheduler import SchedulerOutput
+from pagoda.engine.sequence import Sequence
 from pagoda.forward_context import AttentionMetadata
 from pagoda.kernels.host_upload import upload
-from pagoda.scheduler import SchedulerOutput
-from pagoda.sequence import Sequence
 
 
 @dataclass

@@ -8,10 +8,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pagoda.block_manager import BlockManager
 from pagoda.config import EngineConfig
-from pagoda.detokenizer import Detokenizer, find_stop_string
-from pagoda.distributed.executor import create_executor
+from pagoda.engine.block_manager import BlockManager
+from pagoda.engine.detokenizer import Detokenizer, find_stop_string
+from pagoda.engine.executor.tensor_parallel import create_executor
 from pagoda.engine.kv_groups import blocks_for_one_sequence
 from pagoda.engine.lookahead import DecodeLookahead
 from pagoda.engine.model_runner import ModelRunner
@@ -19,6 +19,8 @@ from pagoda.engine.pipeline import StepPipeline
 from pagoda.engine.prompt_ids import check_prompt_ids
 from pagoda.engine.prompt_ids import prompt_token_ids as prompt_ids
 from pagoda.engine.request_controls import RequestControls
+from pagoda.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from pagoda.engine.sequence import Request, Sequence, SequenceStatus
 from pagoda.engine.step_budget import choose_step_budget
 from pagoda.errors import ConfigError, RequestError
 from pagoda.layers.rotary import rope_parameters_of, uses_sequence_length
@@ -26,9 +28,7 @@ from pagoda.loader.model_loader import load_config
 from pagoda.loader.source import resolve_source
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
-from pagoda.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from pagoda.selection import select_platform
-from pagoda.sequence import Request, Sequence, SequenceStatus
 from pagoda.speculative.decoder import create_speculative_decoder
 from pagoda.tokenizer import load_tokenizer, tokenizer_location
 

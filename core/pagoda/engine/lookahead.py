@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import time
 
-from pagoda.scheduler import ScheduledSeq, SchedulerOutput
-from pagoda.sequence import SequenceStatus
+from pagoda.engine.scheduler import ScheduledSeq, SchedulerOutput
+from pagoda.engine.sequence import SequenceStatus
 
 
 class DecodeLookahead:

@@ -16,14 +16,14 @@ from pagoda import kernels
 from pagoda.config import EngineConfig
 from pagoda.engine.inputs import StepInputs, build_step_inputs
 from pagoda.engine.kv_groups import KVCacheLayout, plan_kv_layout
+from pagoda.engine.sampler import Sampler, SampleResult
+from pagoda.engine.scheduler import SchedulerOutput
 from pagoda.errors import ConfigError
 from pagoda.forward_context import ForwardContext, prepared_context, set_forward_context
 from pagoda.interfaces import AttentionBackend, AttentionSpec, Platform, supports_multimodal
 from pagoda.layers.attention import Attention
 from pagoda.loader.model_loader import build_model
 from pagoda.loader.source import ModelSource
-from pagoda.sampler import Sampler, SampleResult
-from pagoda.scheduler import SchedulerOutput
 from pagoda.selection import select_allocator, select_attention_backend
 
 logger = logging.getLogger("pagoda")

@@ -26,8 +26,8 @@ import time
 import numpy as np
 import torch
 
+from pagoda.engine.scheduler import PENDING_TOKEN, SchedulerOutput
 from pagoda.kernels.host_upload import upload
-from pagoda.scheduler import PENDING_TOKEN, SchedulerOutput
 
 
 class StepPipeline:

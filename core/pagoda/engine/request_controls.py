@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagoda.engine.sequence import Request, Sequence
 from pagoda.errors import RequestError
 from pagoda.logits_processors import bad_words_token_ids
 from pagoda.outputs import Logprob
 from pagoda.parsers import AUTO
 from pagoda.sampling_params import SamplingParams
-from pagoda.sequence import Request, Sequence
 from pagoda.structured_outputs.manager import CompiledGrammar, StructuredOutputManager
 
 

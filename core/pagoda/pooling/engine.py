@@ -17,6 +17,7 @@ import torch
 
 from pagoda.engine.prompt_ids import check_prompt_ids
 from pagoda.engine.prompt_ids import prompt_token_ids as prompt_ids
+from pagoda.engine.sequence import Request, Sequence, SequenceStatus
 from pagoda.errors import RequestError
 from pagoda.forward_context import set_forward_context
 from pagoda.pooling.heads import build_score_head
@@ -25,7 +26,6 @@ from pagoda.pooling.params import PoolingParams
 from pagoda.pooling.pooler_config import resolve_pooler_config
 from pagoda.pooling.poolers import get_pooler
 from pagoda.sampling_params import SamplingParams
-from pagoda.sequence import Request, Sequence, SequenceStatus
 
 logger = logging.getLogger("pagoda")
 UNSUPPORTED = "unsupported_task"  # the served model's runner does not do what the request asks

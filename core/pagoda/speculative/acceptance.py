@@ -3,7 +3,7 @@
 Row j of a verification (j = 0 .. k) holds the target's logits after the sequence's tokens plus
 the first j drafted tokens. Each row gets the request's own processing (penalties, logit bias,
 bad words, min_tokens, plugin processors) as if those j drafts had been generated, then the same
-temperature, top-k, top-p and min-p as plain sampling (``pagoda.sampler``): the distribution p_j
+temperature, top-k, top-p and min-p as plain sampling (``pagoda.engine.sampler``): the distribution p_j
 the request would sample from at that point.
 
 - greedy: drafts are kept while each equals the argmax of its row; the next token is the argmax
@@ -21,9 +21,9 @@ from contextlib import contextmanager
 
 import torch
 
+from pagoda.engine.sampler import _filtered_probs
+from pagoda.engine.sequence import Sequence
 from pagoda.logits_processors import process_row
-from pagoda.sampler import _filtered_probs
-from pagoda.sequence import Sequence
 
 
 @contextmanager
@@ -57,7 +57,7 @@ def processed_rows(logits: torch.Tensor, seq: Sequence, drafts: list[int], stop_
 
 def sampling_probs(work: torch.Tensor, params) -> torch.Tensor:
     """The distribution a sampled request draws from, per row [m, V]: temperature, then top-k,
-    top-p and min-p (``pagoda.sampler``'s own filter)."""
+    top-p and min-p (``pagoda.engine.sampler``'s own filter)."""
     return _filtered_probs(work / params.temperature, [params] * work.shape[0])
 
 

@@ -20,11 +20,11 @@ import logging
 
 import torch
 
-from pagoda.detokenizer import PREFIX_WINDOW
+from pagoda.engine.detokenizer import PREFIX_WINDOW
+from pagoda.engine.scheduler import ScheduledSeq, SchedulerOutput
+from pagoda.engine.sequence import Sequence, SequenceStatus
 from pagoda.errors import ConfigError
 from pagoda.forward_context import set_forward_context
-from pagoda.scheduler import ScheduledSeq, SchedulerOutput
-from pagoda.sequence import Sequence, SequenceStatus
 from pagoda.speculative.acceptance import accept_greedy, accept_sampled, processed_rows, sampling_probs
 from pagoda.speculative.config import SpeculativeConfig, parse_speculative_config
 from pagoda.speculative.stats import SpeculativeStats

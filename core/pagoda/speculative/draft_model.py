@@ -17,12 +17,12 @@ import logging
 
 import torch
 
-from pagoda.block_manager import BlockManager
+from pagoda.engine.block_manager import BlockManager
+from pagoda.engine.scheduler import ScheduledSeq, SchedulerOutput
+from pagoda.engine.sequence import Sequence, SequenceStatus
 from pagoda.errors import ConfigError
 from pagoda.forward_context import set_forward_context
 from pagoda.logits_processors import process_row
-from pagoda.scheduler import ScheduledSeq, SchedulerOutput
-from pagoda.sequence import Sequence, SequenceStatus
 from pagoda.speculative.acceptance import as_if_generated, sampling_probs
 from pagoda.speculative.config import SpeculativeConfig
 

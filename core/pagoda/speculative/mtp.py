@@ -20,10 +20,10 @@ import logging
 
 import torch
 
+from pagoda.engine.scheduler import ScheduledSeq, SchedulerOutput
+from pagoda.engine.sequence import Sequence, SequenceStatus
 from pagoda.errors import ConfigError
 from pagoda.forward_context import set_forward_context
-from pagoda.scheduler import ScheduledSeq, SchedulerOutput
-from pagoda.sequence import Sequence, SequenceStatus
 from pagoda.speculative.config import SpeculativeConfig
 from pagoda.speculative.draft_model import DRAFT_SEED_OFFSET, DraftModelProposer
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from pagoda.engine.inputs import build_step_inputs
+from pagoda.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pagoda.forward_context import set_forward_context
-from pagoda.scheduler import ScheduledSeq, SchedulerOutput
 
 
 @dataclass(slots=True, eq=False)

@@ -35,10 +35,10 @@ def capture_attention(llm, token_ids: list[int]) -> AttentionCapture:
     """Prefill ``token_ids`` once through ``llm``'s paged path and return the attention
     probabilities of every layer (float32, on the CPU). Needs a backend that reports them
     (the reference ``torch``/``torch_mla`` backends do)."""
+    from pagoda.engine.scheduler import ScheduledSeq, SchedulerOutput
+    from pagoda.engine.sequence import Sequence
     from pagoda.forward_context import prepared_context, set_forward_context
     from pagoda.sampling_params import SamplingParams
-    from pagoda.scheduler import ScheduledSeq, SchedulerOutput
-    from pagoda.sequence import Sequence
 
     engine = llm.engine
     runner = engine.runner

@@ -9,7 +9,7 @@ call of the Rust tokenizer.
 
 from __future__ import annotations
 
-from pagoda.sequence import Sequence, SequenceStatus
+from pagoda.engine.sequence import Sequence, SequenceStatus
 
 PREFIX_WINDOW = 5
 

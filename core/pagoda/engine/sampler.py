@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagoda.engine.sequence import Sequence
 from pagoda.logits_processors import process_row
-from pagoda.sequence import Sequence
 
 
 @dataclass

@@ -14,8 +14,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagoda.block_manager import BlockManager
-from pagoda.sequence import Sequence, SequenceStatus
+from pagoda.engine.block_manager import BlockManager
+from pagoda.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)

@@ -1,6 +1,6 @@
 """The worker processes rank 0 starts on this machine, and a watch on each of them.
 
-Workers are fresh interpreters (``python -m pagoda.distributed.worker_main``), not forks:
+Workers are fresh interpreters (``python -m pagoda.engine.executor.worker_main``), not forks:
 the engine's process may hold CUDA contexts and threads, and a fresh interpreter needs no
 ``if __name__ == "__main__"`` guard in the user's script. They share the parent's terminal
 and environment (so ``CUDA_VISIBLE_DEVICES``, ``PAGODA_PLUGINS`` and the log level carry
@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from pagoda.distributed.process_group import ENV_VARS
-from pagoda.distributed.worker_main import ENV_RANK, ENV_STORE, ENV_WORLD
+from pagoda.engine.executor.worker_main import ENV_RANK, ENV_STORE, ENV_WORLD
 
 _LAUNCHER_VARS = ENV_VARS + ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID")
 
@@ -29,7 +29,7 @@ class LocalWorkers:
         env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
         env.update({ENV_WORLD: str(world_size), ENV_STORE: store_address})
         for rank in range(1, world_size):
-            self.procs[rank] = subprocess.Popen([sys.executable, "-m", "pagoda.distributed.worker_main"],
+            self.procs[rank] = subprocess.Popen([sys.executable, "-m", "pagoda.engine.executor.worker_main"],
                                                 env={**env, ENV_RANK: str(rank)})
 
     def pid(self, rank: int) -> int:

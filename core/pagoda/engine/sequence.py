@@ -42,13 +42,13 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     # block tables of KV cache groups 1.. (models mixing sliding-window and global layers; see
-    # pagoda.block_manager); entries of blocks that left a window are NULL_BLOCK (-1)
+    # pagoda.engine.block_manager); entries of blocks that left a window are NULL_BLOCK (-1)
     group_block_tables: list[list[int]] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hashes of its full, cached blocks
     status: SequenceStatus = SequenceStatus.WAITING
     num_preemptions: int = 0
     stop_reason: int | str | None = None
-    # detokenization state (pagoda.detokenizer)
+    # detokenization state (pagoda.engine.detokenizer)
     text: str = ""
     prefix_offset: int = 0
     read_offset: int = 0

@@ -31,15 +31,6 @@ import torch.distributed as dist
 
 from pagoda.config import EngineConfig
 from pagoda.distributed import parallel_state
-from pagoda.distributed.control import ControlChannel, Kind, StepMode
-from pagoda.distributed.failures import (
-    WorkerError,
-    describe_exit,
-    exception_summary,
-    is_communication_error,
-    read_failure,
-    report_failure,
-)
 from pagoda.distributed.process_group import (
     RankInfo,
     abort_parallel_state,
@@ -48,8 +39,17 @@ from pagoda.distributed.process_group import (
     init_parallel_state,
     launcher_env,
 )
-from pagoda.distributed.rank_runner import build_rank_runner
-from pagoda.distributed.step_codec import StepEncoder
+from pagoda.engine.executor.control import ControlChannel, Kind, StepMode
+from pagoda.engine.executor.failures import (
+    WorkerError,
+    describe_exit,
+    exception_summary,
+    is_communication_error,
+    read_failure,
+    report_failure,
+)
+from pagoda.engine.executor.rank_runner import build_rank_runner
+from pagoda.engine.executor.step_codec import StepEncoder
 from pagoda.errors import ConfigError
 from pagoda.interfaces import Platform
 
@@ -84,8 +84,8 @@ def create_executor(config: EngineConfig, source: Any, hf_config: Any, platform:
 
 # ---------------------------------------------------------------------------- starting
 def _start_local_run(config, source, hf_config, platform, dtype) -> TensorParallelExecutor:
-    from pagoda.distributed.local_workers import LocalWorkers
-    from pagoda.distributed.worker_main import CONFIG_KEY, DTYPE_KEY, PLATFORM_KEY, READY_KEY
+    from pagoda.engine.executor.local_workers import LocalWorkers
+    from pagoda.engine.executor.worker_main import CONFIG_KEY, DTYPE_KEY, PLATFORM_KEY, READY_KEY
 
     world = config.tensor_parallel_size * config.pipeline_parallel_size
     if dist.is_initialized():  # before starting anything: the group in place belongs to someone else
@@ -136,7 +136,7 @@ def _join_launched_run(config, source, hf_config, platform, dtype, info: RankInf
             raise
         return TensorParallelExecutor(runner, _Run(channel, store, None, platform.dist_backend,
                                                    config.tensor_parallel_size))
-    from pagoda.distributed.worker_main import serve_rank
+    from pagoda.engine.executor.worker_main import serve_rank
 
     try:
         serve_rank(build_rank_runner(config, source, hf_config, platform, dtype, info), channel)
@@ -307,7 +307,7 @@ class TensorParallelExecutor:
         if callable(value) and hasattr(value, "__self__") and value.__self__ is driver \
                 and name not in LOCAL_METHODS:
             raise AttributeError(f"ModelRunner.{name}() would run on rank 0 only; under tensor parallelism "
-                                 f"it must go through TensorParallelExecutor (pagoda.distributed.executor)")
+                                 f"it must go through TensorParallelExecutor (pagoda.engine.executor.tensor_parallel)")
         return value
 
     # ------------------------------------------------------------------ failures

@@ -2,7 +2,7 @@
 
 Every message is two broadcasts from rank 0 on the gloo control group: a fixed header
 ``[kind, payload length, mode, argument]`` (int64) and the payload — int64 words for a model step
-(``pagoda.distributed.step_codec``), pickled bytes for a call. Calls that return something
+(``pagoda.engine.executor.step_codec``), pickled bytes for a call. Calls that return something
 gather one pickled result per rank back to rank 0.
 """
 

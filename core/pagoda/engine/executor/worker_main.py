@@ -1,7 +1,7 @@
 """Ranks 1..N-1: build this rank's shard of the model, then run what rank 0 sends until it stops.
 
 ``serve_rank`` is the loop (used by pagoda's own worker processes and by torchrun ranks > 0);
-``python -m pagoda.distributed.worker_main`` is the entry of a worker that rank 0 started on
+``python -m pagoda.engine.executor.worker_main`` is the entry of a worker that rank 0 started on
 this machine: it reads its rank and the address of rank 0's store from
 ``PAGODA_WORKER_RANK``/``PAGODA_WORKER_WORLD_SIZE``/``PAGODA_WORKER_STORE`` and the engine
 config from the store. Any exception is fatal: reported to rank 0 through the store, then
@@ -16,10 +16,10 @@ import signal
 import sys
 from typing import Any
 
-from pagoda.distributed.control import ControlChannel, Kind, StepMode
-from pagoda.distributed.step_codec import StepDecoder
+from pagoda.engine.executor.control import ControlChannel, Kind, StepMode
+from pagoda.engine.executor.step_codec import StepDecoder
 from pagoda.engine.gc_freeze import freeze_startup_objects
-from pagoda.sampler import SampleResult
+from pagoda.engine.sampler import SampleResult
 
 logger = logging.getLogger("pagoda")
 
@@ -80,9 +80,9 @@ def main() -> int:
     import torch.distributed as dist
 
     from pagoda.config import EngineConfig
-    from pagoda.distributed.failures import report_failure
     from pagoda.distributed.process_group import RankInfo, init_parallel_state
-    from pagoda.distributed.rank_runner import build_rank_runner
+    from pagoda.engine.executor.failures import report_failure
+    from pagoda.engine.executor.rank_runner import build_rank_runner
     from pagoda.loader.model_loader import load_config
     from pagoda.loader.source import resolve_source
     from pagoda.selection import select_platform

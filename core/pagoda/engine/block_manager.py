@@ -23,7 +23,7 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 
-from pagoda.sequence import Sequence
+from pagoda.engine.sequence import Sequence
 
 NO_PARENT = 0
 NULL_BLOCK = -1  # a released block table entry (outside its group's window)

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from pagoda.engine.scheduler import ScheduledSeq, SchedulerOutput
+from pagoda.engine.sequence import Sequence, SequenceStatus
 from pagoda.sampling_params import SamplingParams
-from pagoda.scheduler import ScheduledSeq, SchedulerOutput
-from pagoda.sequence import Sequence, SequenceStatus
 
 HEAD = 4
 COLUMNS = 8
