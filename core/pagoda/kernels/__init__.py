@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pagoda.plugins import get_registry
-
 _platform = "cpu"
 _selected: dict[str, Callable] = {}
 _providers: dict[str, str] = {}
@@ -30,7 +28,7 @@ def active_platform() -> str:
 def get_op(name: str) -> Callable:
     fn = _selected.get(name)
     if fn is None:
-        fn, provider = get_registry().kernels.select(name, _platform)
+        fn, provider = _kernel_registry().select(name, _platform)
         _selected[name] = fn
         _providers[name] = provider
     return fn
@@ -43,7 +41,7 @@ def selected_providers() -> dict[str, str]:
 
 def describe_selection(platform_name: str) -> dict[str, str]:
     """op -> 'provider (priority)' that would be chosen on a platform, without importing."""
-    reg = get_registry().kernels
+    reg = _kernel_registry()
     out = {}
     for op in reg.ops():
         cands = reg.candidates(op, platform_name)
@@ -51,3 +49,11 @@ def describe_selection(platform_name: str) -> dict[str, str]:
             plat, prio, _, provider = cands[0]
             out[op] = f"{provider} [{plat}, priority {prio}]"
     return out
+
+
+def _kernel_registry():
+    # Imported when first needed, not with this module: the plugins' modules (the built-in plugin's
+    # attention backends, layers) import this one, so a module-level import would close a circle.
+    from pagoda.plugins import get_registry
+
+    return get_registry().kernels

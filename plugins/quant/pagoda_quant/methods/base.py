@@ -145,3 +145,18 @@ def checkpoint_error(key: str, message: str) -> ModelLoadError:
 def op(name: str):
     """The selected implementation of a kernel op (highest priority for this platform)."""
     return get_op(name)
+
+
+AUTO_GROUP_SIZES = (128, 64, 32)
+
+
+def check_group_size(layer, input_size: int, group_size: int | None, what: str) -> int:
+    """The effective group size (-1: the whole row; None: the largest of 128, 64, 32 that
+    divides the input size), or an error naming the layer."""
+    if group_size is None:
+        group_size = next((g for g in AUTO_GROUP_SIZES if input_size % g == 0), AUTO_GROUP_SIZES[0])
+    g = input_size if group_size == -1 else group_size
+    if input_size % 8 or input_size % g:
+        raise ModelLoadError(f"{what}: layer {layer_name(layer)} has {input_size} inputs per rank, not a multiple "
+                             f"of group_size {g} (and of 8); choose a group_size that divides it")
+    return g

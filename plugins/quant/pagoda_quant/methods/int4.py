@@ -10,10 +10,17 @@ the input columns so that groups are contiguous.
 from __future__ import annotations
 
 import torch
-from pagoda.errors import ModelLoadError
 
 from pagoda_quant.formats import int4 as i4
-from pagoda_quant.methods.base import FullPrecisionWeights, PolicyConfig, QuantizedLinearMethod, layer_name, op
+from pagoda_quant.methods.base import (
+    FullPrecisionWeights,
+    PolicyConfig,
+    QuantizedLinearMethod,
+    check_group_size,
+    op,
+    replace_param,
+)
+from pagoda_quant.methods.moe import Int4ExpertsMethod
 
 
 class Int4KernelLayout(QuantizedLinearMethod):
@@ -34,28 +41,11 @@ class Int4KernelLayout(QuantizedLinearMethod):
 
     def install(self, layer, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 perm: torch.Tensor | None = None) -> None:
-        from pagoda_quant.methods.base import replace_param
-
         replace_param(layer, "qweight", qweight.contiguous())
         replace_param(layer, "scales", scales.contiguous())
         replace_param(layer, "zeros", zeros.contiguous())
         if perm is not None:
             layer.register_buffer("perm", perm, persistent=False)
-
-
-AUTO_GROUP_SIZES = (128, 64, 32)
-
-
-def check_group_size(layer, input_size: int, group_size: int | None, what: str) -> int:
-    """The effective group size (-1: the whole row; None: the largest of 128, 64, 32 that
-    divides the input size), or an error naming the layer."""
-    if group_size is None:
-        group_size = next((g for g in AUTO_GROUP_SIZES if input_size % g == 0), AUTO_GROUP_SIZES[0])
-    g = input_size if group_size == -1 else group_size
-    if input_size % 8 or input_size % g:
-        raise ModelLoadError(f"{what}: layer {layer_name(layer)} has {input_size} inputs per rank, not a multiple "
-                             f"of group_size {g} (and of 8); choose a group_size that divides it")
-    return g
 
 
 class Int4RtnMethod(FullPrecisionWeights, Int4KernelLayout):
@@ -94,8 +84,6 @@ class Int4Config(PolicyConfig):
         return Int4RtnMethod(self.group_size, self.symmetric)
 
     def moe_method(self, layer, prefix):
-        from pagoda_quant.methods.moe import Int4ExpertsMethod
-
         return Int4ExpertsMethod(self.group_size, self.symmetric)
 
     def describe(self) -> str:

@@ -16,8 +16,8 @@ import torch
 from pagoda.errors import ModelLoadError
 
 from pagoda_quant.formats import int4 as i4
-from pagoda_quant.methods.base import PolicyConfig, add_param, declared_kv_cache_dtype, layer_name
-from pagoda_quant.methods.int4 import Int4KernelLayout, check_group_size
+from pagoda_quant.methods.base import PolicyConfig, add_param, check_group_size, declared_kv_cache_dtype, layer_name
+from pagoda_quant.methods.int4 import Int4KernelLayout
 
 
 def _check_packed_outputs(layer, output_sizes: list[int], what: str) -> None:

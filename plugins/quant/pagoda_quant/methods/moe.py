@@ -25,8 +25,7 @@ from torch import nn
 
 from pagoda_quant.formats import fp8 as f8
 from pagoda_quant.formats import int4 as i4
-from pagoda_quant.methods.base import add_param, layer_name, op, replace_param
-from pagoda_quant.methods.int4 import check_group_size
+from pagoda_quant.methods.base import add_param, check_group_size, layer_name, op, replace_param
 
 # weight formats of ExpertWeights.kernel_tensors(), read by the Triton MoE kernels
 FP8_CHANNEL, FP8_BLOCK, INT4 = 0, 1, 2
