@@ -22,6 +22,14 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                   use_sliding_window=False, sliding_window=None, max_window_layers=28),
     "qwen3": dict(hidden_act="silu", attention_bias=False, attention_dropout=0.0, initializer_range=0.02,
                   use_cache=True, use_sliding_window=False, sliding_window=None, max_window_layers=28),
+    "phi3": dict(hidden_act="silu", attention_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0, initializer_range=0.02,
+                 use_cache=True, sliding_window=None),
+    "qwen2_moe": dict(hidden_act="silu", attention_dropout=0.0, initializer_range=0.02, use_cache=True,
+                      use_sliding_window=False, sliding_window=None, max_window_layers=28, decoder_sparse_step=1,
+                      mlp_only_layers=[], output_router_logits=False, router_aux_loss_coef=0.001),
+    "qwen3_moe": dict(hidden_act="silu", attention_bias=False, attention_dropout=0.0, initializer_range=0.02,
+                      use_cache=True, use_sliding_window=False, sliding_window=None, decoder_sparse_step=1,
+                      mlp_only_layers=[], output_router_logits=False, router_aux_loss_coef=0.001),
 }
 
 

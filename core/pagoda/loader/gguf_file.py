@@ -1,5 +1,6 @@
 """GGUF files: the HF config, tokenizer and chat template from the metadata, and the
-weights dequantized at load under their HF names (Llama-family architectures)."""
+weights under their HF names (llama.cpp's architectures llama, mistral, qwen2, qwen3, phi3, qwen2moe,
+qwen3moe). A MoE file's stacked expert tensors [experts, rows, cols] arrive one expert at a time."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ ARCHITECTURES = {
     "mistral": ("mistral", "MistralForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 # GGUF per-layer tensor name -> HF name (after "model.layers.N.")
 LAYER_TENSORS = {
@@ -26,7 +30,17 @@ LAYER_TENSORS = {
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    # MoE: the router, the shared expert and its sigmoid gate (Qwen2-MoE)
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# Phi-3's fused tensors (llama.cpp keeps HF's qkv_proj and gate_up_proj), split by rows into HF's separate
+# names: row blocks are whole output channels, so raw quantized rows split the same way
+FUSED_ROWS = {"attn_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+              "ffn_up": ("mlp.gate_proj", "mlp.up_proj")}
+# stacked experts [experts, rows, cols] -> model.layers.N.mlp.experts.E.<proj>
+EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 PLAIN_FLOAT_TYPES = ("F32", "F16")
 TOKEN_TYPE_CONTROL = 3
@@ -101,10 +115,38 @@ class GGUFCheckpoint:
             tie_word_embeddings="output.weight" not in self.tensor_names,
             bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
             eos_token_id=self.field("tokenizer.ggml.eos_token_id"),
-            attention_bias=self.arch == "qwen2",
+            attention_bias="blk.0.attn_q.bias" in self.tensor_names,
             sliding_window=self.arch_field("attention.sliding_window"),
         )
+        if model_type == "qwen2_moe":
+            values["qkv_bias"] = values["attention_bias"]
+        if self.arch_field("expert_count"):
+            values.update(
+                num_experts=self.arch_field("expert_count"),
+                num_local_experts=self.arch_field("expert_count"),  # (transformers 5's name for it)
+                num_experts_per_tok=self.arch_field("expert_used_count"),
+                moe_intermediate_size=self.arch_field("expert_feed_forward_length"),
+                shared_expert_intermediate_size=self.arch_field("expert_shared_feed_forward_length", 0),
+                # llama.cpp renormalises the chosen experts' weights for qwen3moe, not for qwen2moe
+                norm_topk_prob=self.arch == "qwen3moe",
+            )
+        if self.arch == "phi3":
+            values.update(self._phi3_rope(values["rope_theta"], head_dim, values["max_position_embeddings"]))
         return ModelConfig(model_type, **values)
+
+    def _phi3_rope(self, theta: float, head_dim: int, context: int) -> dict:
+        """Phi-3's LongRoPE (the 128k models): the per-dimension factors are the tensors
+        ``rope_factors_long`` / ``rope_factors_short``, the original context a metadata key."""
+        tensors = {t.name: t for t in self.tensors}
+        long, short = tensors.get("rope_factors_long.weight"), tensors.get("rope_factors_short.weight")
+        original = self.arch_field("rope.scaling.original_context_length")
+        if long is None or short is None:
+            return {"original_max_position_embeddings": original or context}
+        return {"original_max_position_embeddings": original,
+                "rope_parameters": {"rope_type": "longrope", "rope_theta": theta,
+                                    "long_factor": [float(x) for x in np.asarray(long.data).reshape(-1)],
+                                    "short_factor": [float(x) for x in np.asarray(short.data).reshape(-1)],
+                                    "original_max_position_embeddings": original}}
 
     def tokenizer(self):
         """The tokenizer from the GGUF vocabulary (byte-level BPE, 'gpt2' type), on the ``tokenizers``
@@ -171,10 +213,19 @@ class GGUFCheckpoint:
         tensor's raw block rows (uint8 [rows, bytes per row])."""
         heads = self.arch_field("attention.head_count")
         kv_heads = self.arch_field("attention.head_count_kv", heads)
+        head_dim = self.arch_field("attention.key_length", self.arch_field("embedding_length") // heads)
+        fused_sizes = {"attn_qkv": (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)}
         for t in self.tensors:
             stem, _, kind = t.name.rpartition(".")
             if stem.startswith("blk."):
                 _, layer, base = stem.split(".", 2)
+                if base in EXPERT_TENSORS:
+                    yield from self._experts(t, f"model.layers.{layer}.mlp.experts", EXPERT_TENSORS[base], kind,
+                                             sources)
+                    continue
+                if self.arch == "phi3" and base in FUSED_ROWS:
+                    yield from self._split_rows(t, layer, base, kind, fused_sizes.get(base), sources, keeps_raw)
+                    continue
                 if base not in LAYER_TENSORS:
                     raise ModelLoadError(f"{self.path}: unexpected GGUF tensor {t.name!r}")
                 name = f"model.layers.{layer}.{LAYER_TENSORS[base]}.{kind}"
@@ -191,10 +242,45 @@ class GGUFCheckpoint:
                 data = self._dequantized(t)
             if self.arch == "llama" and stem.startswith("blk.") and base in ("attn_q", "attn_k"):
                 data = self._reverse_permute(data, heads if base == "attn_q" else kv_heads)
+            if stem.startswith("blk.") and base == "ffn_gate_inp_shexp" and data.ndim == 1:
+                data = data.reshape(1, -1)  # HF's shared_expert_gate is a [1, hidden] linear
             sources[name] = self.path.name
             tensor = _as_tensor(data)
             if data is t.data and not data.flags.writeable:
                 tensor._gguf_mapped = True  # a view of the mapped file (release_pages may drop its pages)
             # the file's type (blocks when uint8, else already float), read by the gguf quantization method
             tensor.ggml_type = t.tensor_type.name
+            yield name, tensor
+
+    def _experts(self, t, prefix: str, proj: str, kind: str, sources: dict[str, str]
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+        """One stacked expert tensor [experts, rows, cols] as each expert's HF weight (float32: the
+        experts' computation takes float weights; their blocks are not kept)."""
+        data = t.data if t.tensor_type.name in PLAIN_FLOAT_TYPES else self._dequantized(t)
+        data = np.asarray(data).reshape([int(d) for d in reversed(t.shape)])
+        for e in range(data.shape[0]):
+            name = f"{prefix}.{e}.{proj}.{kind}"
+            sources[name] = self.path.name
+            tensor = torch.from_numpy(np.array(data[e], dtype=np.float32))
+            tensor.ggml_type = "F32"
+            yield name, tensor
+
+    def _split_rows(self, t, layer: str, base: str, kind: str, sizes: tuple[int, ...] | None,
+                    sources: dict[str, str], keeps_raw) -> Iterator[tuple[str, torch.Tensor]]:
+        """A fused tensor as its HF pieces (rows: q, k, v by the head counts; gate and up in halves)."""
+        names = [f"model.layers.{layer}.{piece}.{kind}" for piece in FUSED_ROWS[base]]
+        raw = keeps_raw is not None and all(keeps_raw(name, t.tensor_type.name) for name in names)
+        data = t.data if raw or t.tensor_type.name in PLAIN_FLOAT_TYPES else self._dequantized(t)
+        rows = data.shape[0]
+        sizes = sizes or (rows // 2, rows // 2)
+        if sum(sizes) != rows:
+            raise ModelLoadError(f"{self.path}: tensor {t.name!r} has {rows} rows, not the {sum(sizes)} its "
+                                 f"metadata's head counts imply")
+        start = 0
+        for name, size in zip(names, sizes):
+            piece = np.ascontiguousarray(data[start:start + size])
+            start += size
+            sources[name] = self.path.name
+            tensor = _as_tensor(piece)
+            tensor.ggml_type = t.tensor_type.name if raw or t.tensor_type.name in PLAIN_FLOAT_TYPES else "F32"
             yield name, tensor

@@ -112,3 +112,113 @@ def write_tiny_llama_gguf(path: str | Path, types: dict[str, str], seed: int = 0
     writer.write_tensors_to_file()
     writer.close()
     return Path(path)
+
+
+# HF name (after "model.layers.N.") -> llama.cpp's tensor stem, for write_gguf_from_checkpoint
+_HF_LAYER_TO_GGUF = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+}
+_HF_TO_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "qwen2_moe": "qwen2moe",
+                    "qwen3_moe": "qwen3moe"}
+
+
+def write_gguf_from_checkpoint(model_dir: str | Path, path: str | Path, ggml_type: str = "F32") -> Path:
+    """A GGUF file of a (tiny) HF checkpoint, in llama.cpp's layout for its architecture (tensor names,
+    stacked experts, metadata keys; Llama's q/k rows permuted as llama.cpp's converter does): 2-D weights
+    in ``ggml_type`` (F32, F16, or a type the gguf package quantizes: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), norms
+    and biases in F32; a byte-level BPE vocabulary of the checkpoint's size."""
+    import json
+
+    import gguf
+    from safetensors.numpy import load_file
+
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    arch = _HF_TO_GGUF_ARCH[config["model_type"]]
+    tensors = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config.get("max_position_embeddings", 2048))
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(config.get("intermediate_size", 0))
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
+    rope = config.get("rope_parameters") or {}
+    writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
+    writer.add_vocab_size(config["vocab_size"])
+    if config.get("sliding_window"):
+        writer.add_sliding_window(config["sliding_window"])
+    num_experts = config.get("num_experts") or config.get("num_local_experts")
+    if num_experts:
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    tokens, merges = _byte_level_vocab()
+    specials = len(tokens) - 2
+    tokens += [f"<unused{i}>" for i in range(config["vocab_size"] - len(tokens))]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_merges(merges)
+    writer.add_token_types([1] * specials + [3, 3] + [5] * (len(tokens) - specials - 2))
+    writer.add_bos_token_id(specials)
+    writer.add_eos_token_id(specials + 1)
+    writer.add_pad_token_id(specials + 1)
+
+    def add(name: str, data: np.ndarray) -> None:
+        data = np.ascontiguousarray(data, dtype=np.float32)
+        if data.ndim < 2 or ggml_type == "F32":
+            writer.add_tensor(name, data)
+        elif ggml_type == "F16":
+            writer.add_tensor(name, data.astype(np.float16))
+        else:
+            kind = gguf.GGMLQuantizationType[ggml_type]
+            writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_shape=gguf.quants.quant_shape_to_byte_shape(
+                data.shape, kind), raw_dtype=kind)
+
+    def permute(w: np.ndarray, n: int) -> np.ndarray:  # llama.cpp's interleaving of Llama's rotary pairs
+        return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    add("token_embd.weight", tensors["model.embed_tokens.weight"])
+    add("output_norm.weight", tensors["model.norm.weight"])
+    if "lm_head.weight" in tensors and not config.get("tie_word_embeddings"):
+        add("output.weight", tensors["lm_head.weight"])
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    for name, data in tensors.items():
+        if not name.startswith("model.layers."):
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        module, kind = rest.rsplit(".", 1)
+        if module.startswith("mlp.experts."):
+            _, _, e, proj = module.split(".")
+            experts.setdefault((layer, proj), {})[int(e)] = data
+            continue
+        stem = _HF_LAYER_TO_GGUF[module]
+        if arch == "llama" and stem in ("attn_q", "attn_k") and kind == "weight":
+            data = permute(data, heads if stem == "attn_q" else kv_heads)
+        if stem == "ffn_gate_inp_shexp":
+            data = data.reshape(-1)
+        add(f"blk.{layer}.{stem}.{kind}", data)
+    for (layer, proj), per_expert in experts.items():
+        stacked = np.stack([per_expert[e] for e in sorted(per_expert)])  # [experts, rows, cols]
+        add(f"blk.{layer}.ffn_{proj.removesuffix('_proj')}_exps.weight", stacked)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
