@@ -126,3 +126,23 @@ def test_a_generating_server_answers_the_pooling_routes(checkpoint, tmp_path):
         r = client.post(route, json=body)
         assert r.status_code == 400, (route, r.text)
         assert "--runner pooling" in r.text and "unsupported_task" in r.text
+
+
+def test_pooling_requests_are_counted_in_the_request_metrics(server):
+    """Each pooled input is a finished request on /metrics: its prompt tokens and end-to-end time, no
+    generated tokens."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def sample(name: str, **labels) -> float:
+        text = httpx.get(server.url + "/metrics", timeout=30).text
+        return next((s.value for f in text_string_to_metric_families(text) for s in f.samples
+                     if s.name == name and s.labels == labels), 0.0)
+
+    before = (sample("pagoda_requests_finished_total", finish_reason="stop"), sample("pagoda_prompt_tokens_total"),
+              sample("pagoda_e2e_request_latency_seconds_count"), sample("pagoda_generation_tokens_total"))
+    body = httpx.post(server.url + "/v1/embeddings", json={"model": MODEL, "input": [[1, 2, 3], [4, 5, 6, 7]]},
+                      timeout=60).json()
+    assert body["usage"]["prompt_tokens"] == 7
+    after = (sample("pagoda_requests_finished_total", finish_reason="stop"), sample("pagoda_prompt_tokens_total"),
+             sample("pagoda_e2e_request_latency_seconds_count"), sample("pagoda_generation_tokens_total"))
+    assert [b - a for a, b in zip(before, after)] == [2, 7, 2, 0]

@@ -181,17 +181,19 @@ class Frontend:
                                                    mm_inputs=mm_inputs, lora_request=self.adapters.get(model))
 
     async def follow(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
-        """The stream's outputs, metered; closing early (or an error) aborts the request."""
+        """The stream's outputs (generation, or one pooling output), metered; closing early (or an error)
+        aborts the request."""
         start = time.monotonic()
         first_token = None
         reason = "abort"
         try:
             async for out in stream:
-                if first_token is None and any(c.token_ids for c in out.outputs):
+                completions = out.outputs if isinstance(out.outputs, list) else []  # (pooling: none)
+                if first_token is None and any(c.token_ids for c in completions):
                     first_token = time.monotonic()
                     self.metrics.ttft.observe(first_token - start)
                 if out.finished:
-                    reasons = {c.finish_reason for c in out.outputs}
+                    reasons = {c.finish_reason for c in completions}
                     reason = "length" if reasons == {"length"} else "stop"
                 yield out
         except RequestTimeoutError:

@@ -112,12 +112,17 @@ class ServerMetrics:
 
     def observe_request(self, out: RequestOutput | None, reason: str, start: float,
                         first_token: float | None) -> None:
-        """Record one generation request that ended (``time.monotonic()`` times)."""
+        """Record one request that ended (``time.monotonic()`` times): generation, or pooling (its
+        prompt tokens and end-to-end time; it generates none)."""
         now = time.monotonic()
         self.requests_finished.labels(reason).inc()
         if out is None:
             return
         self.prompt_tokens.inc(len(out.prompt_token_ids))
+        if not isinstance(out.outputs, list):  # a pooling output
+            if reason == "stop":
+                self.e2e.observe(now - start)
+            return
         generated = [len(c.token_ids) for c in out.outputs]
         self.generation_tokens.inc(sum(generated))
         if first_token is not None and reason in ("stop", "length"):

@@ -9,7 +9,6 @@ start a pooling server, and a pooling server answers the generation routes the s
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import time
 import uuid
@@ -22,7 +21,7 @@ from pagoda.pooling.engine import UNSUPPORTED, fit_prompt
 from pagoda.pooling.offline import pair_token_ids, pair_up
 from pagoda.pooling.params import PoolingParams
 from pagoda.server.errors import APIError, bad_request
-from pagoda.server.frontend import ClientDisconnected, Frontend, wait_for_disconnect
+from pagoda.server.frontend import Frontend
 from pagoda.server.openapi import GENERATION_ERRORS, error_responses
 from pagoda.server.pooling_protocol import (
     EmbeddingRequest,
@@ -70,32 +69,13 @@ def fit(fe: Frontend, ids: list[int], truncate: int | None, name: str) -> list[i
 
 
 async def pool(fe: Frontend, request: Request, prompts: list[list[int]], params: PoolingParams) -> list[torch.Tensor]:
-    """Run every prompt; their pooled outputs in order. A client that leaves aborts them all."""
+    """Run every prompt; their pooled outputs in order (metered as requests). A client that leaves aborts
+    them all."""
     streams = []
     try:
         for ids in prompts:
             streams.append(await fe.submit(ids, params, prefix="pool"))
-
-        async def final(stream) -> torch.Tensor:
-            last = None
-            async for out in stream:
-                last = out
-            if last is None or not last.finished:
-                raise APIError(503, "the request was aborted before it finished", code="aborted")
-            return last.outputs.data
-
-        everything = asyncio.gather(*(final(s) for s in streams))
-        watcher = asyncio.ensure_future(wait_for_disconnect(request))
-        try:
-            done, _ = await asyncio.wait({everything, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if everything in done:
-                return everything.result()
-            raise ClientDisconnected()
-        finally:
-            watcher.cancel()
-            if not everything.done():
-                everything.cancel()
-            await asyncio.gather(everything, return_exceptions=True)
+        return [out.outputs.data for out in await fe.collect(request, streams)]
     finally:
         for stream in streams:
             stream.close()
