@@ -83,3 +83,31 @@ def test_scoring_a_prompt_between_steps_leaves_running_requests_alone(tmp_path):
     assert bad.value.field == "prompt"
     with pytest.raises(RequestError, match="max_model_len=128"):
         engine.score_prompt([1] * 129)
+
+
+def test_dummy_weights_follow_the_seed_on_every_path(tmp_path, monkeypatch):
+    """load_format dummy: the same seed and shapes give the same weights whatever was drawn before in the
+    process (small tensors drawn on the host, large ones on their device; a speculative draft with the
+    target's shapes is then the target), another seed other weights; norms are ones."""
+    import torch
+    from pagoda.loader import model_loader
+
+    monkeypatch.setattr(model_loader, "DEVICE_DRAW_NUMEL", 10_000)  # embedding, gate_up, LM head: the device path
+    path = make_tiny_checkpoint("llama", tmp_path / "m", seed=1, **TINY)
+    llm = LLM(model=str(path), device="cpu", dtype="float32", num_kv_blocks=8, block_size=8, max_model_len=64,
+              load_format="dummy", seed=0)
+    model = llm.engine.runner.model
+
+    def weights(seed):
+        torch.rand(1000)  # the process's generators move on between engines
+        model_loader.init_dummy_weights(model, seed)
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    a, b, c = weights(0), weights(0), weights(1)
+    assert any(p.numel() >= 10_000 for p in a.values()) and any(p.numel() < 10_000 for p in a.values())
+    for name, param in a.items():
+        assert torch.equal(param, b[name]), name
+        if "norm" in name:
+            assert bool((param == 1).all())
+        else:
+            assert not torch.equal(param, c[name]), name

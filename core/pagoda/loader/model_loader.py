@@ -83,21 +83,24 @@ def weight_stream(source: ModelSource, quant_config: QuantConfig | None = None) 
     return WeightStream(lambda sources: iterate_safetensors(files, sources))
 
 
+DEVICE_DRAW_NUMEL = 1 << 24  # tensors this large are drawn on their device (a CPU draw and copy is slow)
+
+
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Random weights of the right shapes (benchmarks): small normal values, norms at 1."""
+    """Random weights of the right shapes (benchmarks): small normal values, norms at 1. The same seed
+    and shapes give the same weights (a speculative draft with the target's shapes drafts as it)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    for name, param in model.named_parameters():
+    for index, (name, param) in enumerate(model.named_parameters()):
         if not param.dtype.is_floating_point:
             continue
         if name.endswith("norm.weight") or "layernorm" in name:
             param.data.fill_(1.0)
             continue
-        cpu = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=gen) \
-            if param.numel() < (1 << 24) else None
-        if cpu is not None:
-            param.data.copy_(cpu)
-        else:  # large tensors: draw on the device
-            param.data.normal_(0.0, 0.02)
+        if param.numel() < DEVICE_DRAW_NUMEL:
+            param.data.copy_(torch.empty(param.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=gen))
+        else:  # large tensors: drawn on the device, from a generator seeded by the seed and the tensor's index
+            device_gen = torch.Generator(device=param.device).manual_seed(seed * 100_003 + index)
+            param.data.normal_(0.0, 0.02, generator=device_gen)
 
 
 def build_model(config: EngineConfig, source: ModelSource, hf_config: Any, dtype: torch.dtype,
