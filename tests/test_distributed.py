@@ -12,6 +12,7 @@ import threading
 from types import SimpleNamespace
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from pagoda import LLM, SamplingParams
@@ -90,6 +91,23 @@ def test_tp2_greedy_matches_one_process_and_transformers(llama):
     seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=12, ignore_eos=True)
     single = LLM(model=str(path), **ENGINE)
     assert _tokens(llm.generate(prompts[:3], seeded)) == _tokens(single.generate(prompts[:3], seeded))
+
+
+def test_tp2_step_pipeline_generates_what_transformers_does(llama):
+    """The step pipeline over two ranks (on by default where the platform queues work; switched on here):
+    chunked prefills and decodes launched before the previous step's tokens are known, each rank feeding
+    its own copy of them. Preemptions between pipelined stretches recompute sequences from the mirrors'
+    token ids, which must hold the real tokens by then, not the pending stand-ins."""
+    path, llm = llama
+    before = llm.get_stats()["num_preemptions"]
+    llm.engine.enable_step_pipeline()
+    try:
+        prompts = _prompts()
+        assert _tokens(llm.generate(prompts, GREEDY)) == hf_greedy_tokens(path, prompts, 24)
+        assert llm.engine.pipeline.launched_ahead > 5
+        assert llm.get_stats()["num_preemptions"] > before and llm.get_stats()["kv_blocks_used"] == 0
+    finally:
+        llm.engine.pipeline = None
 
 
 def test_tp2_prompt_logits_match_transformers(llama):
@@ -223,10 +241,12 @@ class _RecordingRunner:
     def execute(self, out):
         self.log.append(("execute", [(it.seq.seq_id, it.seq.token_ids[-1]) for it in out.scheduled]))
 
-    def launch_decode(self, out, ahead=0, input_ids=None):
-        ids = input_ids.tolist() if input_ids is not None else [it.seq.token_ids[-1] for it in out.scheduled]
-        self.log.append(("launch", ahead, [it.seq.num_computed_tokens for it in out.scheduled], ids))
-        return SimpleNamespace(tokens=torch.tensor(ids) + 1)
+    def launch(self, out, feed=None):
+        ids = torch.tensor([it.seq.token_ids[-1] for it in out.scheduled])
+        if feed is not None:
+            ids.index_copy_(0, feed.rows, feed.tokens.index_select(0, feed.indices))
+        self.log.append(("launch", [it.seq.num_computed_tokens for it in out.scheduled], ids.tolist()))
+        return SimpleNamespace(tokens=ids + 1)
 
     def collect_decode(self, pending):
         return pending.tokens.tolist()
@@ -260,24 +280,39 @@ def test_tp2_gpt_oss_with_window_groups(tmp_path):
         llm.shutdown()
 
 
-def test_lookahead_launches_reach_every_rank_with_its_own_device_tokens():
-    """The protocol of decode lookahead under tensor parallelism (graphs only run on GPUs)."""
+def test_pipelined_launches_reach_every_rank_with_its_own_device_tokens():
+    """The step pipeline's protocol under tensor parallelism: a launched step fed from the previous
+    launch's tokens reaches the other rank with the fed rows, which it fills from its own copy of those
+    tokens; the pending token the mirrors held is replaced by the real one with the next step."""
+    from pagoda.engine.pipeline import StepFeed
+    from pagoda.engine.scheduler import PENDING_TOKEN
+
     channel = _LoopbackChannel()
     driver, worker = _RecordingRunner(), _RecordingRunner()
     executor = TensorParallelExecutor(driver, _Run(channel, None, None, "gloo"))
     served = threading.Thread(target=serve_rank, args=(worker, channel))
     served.start()
+
+    def feed(pending, rows):
+        host = np.array([rows, rows], dtype=np.int64)
+        return StepFeed(pending.tokens, torch.from_numpy(host[0]), torch.from_numpy(host[1]), host)
+
     try:
         seqs = [Sequence("r", i, [10 * (i + 1), 5], SamplingParams()) for i in range(2)]
         for s in seqs:
             s.num_computed_tokens, s.block_table = 1, [s.seq_id % 7]
         out = SchedulerOutput([ScheduledSeq(s, 1, True) for s in seqs], 2, 2)
-        first = executor.launch_decode(out)
-        second = executor.launch_decode(out, ahead=1, input_ids=first.tokens)  # before first's tokens are known
-        for s, token in zip(seqs, executor.collect_decode(first)):
-            s.append_token(token)
+        first = executor.launch(out)
+        for s in seqs:  # Scheduler.advance: the step counts as computed, its token is pending
             s.num_computed_tokens += 1
-        executor.launch_decode(out, ahead=1, input_ids=second.tokens)
+            s.token_ids.append(PENDING_TOKEN)
+        second = executor.launch(out, feed(first, [0, 1]))  # before first's tokens are known
+        for s, token in zip(seqs, executor.collect_decode(first)):  # Scheduler.commit
+            s.token_ids[-1] = token
+        for s in seqs:
+            s.num_computed_tokens += 1
+            s.token_ids.append(PENDING_TOKEN)
+        executor.launch(out, feed(second, [1]))  # only row 1 fed: row 0 keeps its host id
         assert executor.allocate_kv_cache() == 7
         executor.forget(seqs[0].seq_id)
         executor.execute(SchedulerOutput([ScheduledSeq(seqs[1], 1, True)], 1, 1))
@@ -286,9 +321,33 @@ def test_lookahead_launches_reach_every_rank_with_its_own_device_tokens():
         served.join(10)
     assert not served.is_alive()
     assert [e for e in worker.log if e[0] != "forget"] == [e for e in driver.log if e[0] != "forget"]
-    assert [e[1:] for e in driver.log if e[0] == "launch"] == [(0, [1, 1], [5, 5]), (1, [1, 1], [6, 6]),
-                                                             (1, [2, 2], [7, 7])]
+    assert [e[1:] for e in driver.log if e[0] == "launch"] == [([1, 1], [5, 5]), ([2, 2], [6, 6]),
+                                                             ([3, 3], [PENDING_TOKEN, 7])]
     assert ("forget", seqs[0].seq_id) in worker.log
+
+
+def test_pending_tokens_are_sent_again_once_known():
+    """A mirror holds a pending token only until the next step: it is replaced by the real one, so a
+    sequence recomputed later (preemption) reads the right ids on every rank."""
+    from pagoda.engine.scheduler import PENDING_TOKEN
+
+    enc, dec = StepEncoder(), StepDecoder()
+    a = Sequence("r", 0, [1, 2, 3], SamplingParams())
+    a.block_table = [0]
+    dec.decode(enc.encode(SchedulerOutput([ScheduledSeq(a, 3, True)], 0, 3)))
+    a.num_computed_tokens = 3
+    a.token_ids.append(PENDING_TOKEN)
+    out, _ = dec.decode(enc.encode(SchedulerOutput([ScheduledSeq(a, 1, True)], 1, 1)))
+    assert out.scheduled[0].seq.token_ids == [1, 2, 3, PENDING_TOKEN]
+    a.token_ids[-1] = 9
+    a.num_computed_tokens = 4
+    a.token_ids.append(PENDING_TOKEN)
+    out, _ = dec.decode(enc.encode(SchedulerOutput([ScheduledSeq(a, 1, True)], 1, 1)))
+    assert out.scheduled[0].seq.token_ids == [1, 2, 3, 9, PENDING_TOKEN]
+    a.token_ids[-1] = 11
+    a.num_computed_tokens = 0  # preempted: recomputed from its tokens
+    out, _ = dec.decode(enc.encode(SchedulerOutput([ScheduledSeq(a, 5, True)], 0, 5)))
+    assert out.scheduled[0].seq.token_ids == [1, 2, 3, 9, 11]
 
 
 def test_step_mirror_carries_every_kv_group_table():

@@ -65,7 +65,7 @@ def _kernel_table(prof, steps: int, on_gpu: bool) -> dict:
 
 
 def _timed_steps(engine, steps: int, on_gpu: bool, pipelined: bool = True) -> list[dict]:
-    """Steps as ``LLM.generate`` runs them (``pipelined``: decode lookahead on, so a step's
+    """Steps as ``LLM.generate`` runs them (``pipelined``: the step pipeline on, so a step's
     wall time is the device time of one step plus whatever host time is not hidden)."""
     out = []
     for _ in range(steps):

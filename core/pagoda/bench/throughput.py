@@ -78,7 +78,7 @@ def _one_run(llm, prompts, params, loras=None) -> dict:
     engine = llm.engine
     engine.times = StepTimes()
     preempt0 = engine.scheduler.stats.num_preemptions
-    lookahead = getattr(engine, "pipeline", None) or getattr(engine, "lookahead", None)
+    lookahead = getattr(engine, "pipeline", None)
     ahead0 = lookahead.launched_ahead if lookahead is not None else 0
     engine.platform.synchronize()
     t0 = time.perf_counter()

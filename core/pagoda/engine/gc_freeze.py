@@ -4,7 +4,7 @@ Processes that hold one engine for their whole life (``pagoda serve``, ``pagoda 
 tensor-parallel workers) freeze what start-up made (``gc.freeze``): collections then scan
 only what serving allocates. On a 2-core CPU a full collection otherwise cost about 4 ms of
 an 8,192-token prefill step's host time, time the device waits for. Frozen objects are never
-collected, and an engine holds reference cycles (engine <-> lookahead, runner <-> graphs), so
+collected, and an engine holds reference cycles (engine <-> step pipeline, runner <-> graphs), so
 a process that drops its engine and goes on (``pagoda bench`` before its HF baseline) first
 releases them; ``LLM`` objects of the Python API are not frozen.
 """

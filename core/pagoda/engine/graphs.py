@@ -107,18 +107,15 @@ class DecodeGraphs:
             written[i] = k
         return min(widest, self.width)
 
-    def _fill(self, out: SchedulerOutput, bucket: int, ahead: int = 0) -> int:
-        """Fill the host buffers for a step; return how many table rows to copy. ``ahead``: the
-        step runs that many tokens past what the sequences record (a step launched before the
-        previous one's tokens reached the host; its input ids then come from the device)."""
+    def _fill(self, out: SchedulerOutput, bucket: int) -> int:
+        """Fill the host buffers for a step; return how many table rows to copy. A sequence whose
+        last token is still on the device (``PENDING_TOKEN``, the step pipeline) gets it patched in
+        on the device (``run``'s ``patch``)."""
         n = len(out.scheduled)
         h64, h32 = self.np64, self.np32
         seqs = [it.seq for it in out.scheduled]
-        if not ahead:
-            h64[0, :n] = [s.token_ids[-1] for s in seqs]
+        h64[0, :n] = [s.token_ids[-1] for s in seqs]
         pos = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
-        if ahead:
-            pos += ahead
         h64[1, :n] = pos
         widest = self._update_tables(seqs)
         block, rows = pos // self.block_size, np.arange(n)
@@ -135,22 +132,18 @@ class DecodeGraphs:
         h32[1, n:bucket] = 1
         return max(widest, 1)
 
-    def run(self, out: SchedulerOutput, ahead: int = 0, input_ids: torch.Tensor | None = None,
-            patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def run(self, out: SchedulerOutput, patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Replay the bucket's graph for a decode batch; returns logits [n, vocab] (static
-        buffer, valid until the next replay). ``input_ids`` [n] on the device replaces the
-        host's last tokens (with ``ahead``: see ``_fill``); ``patch`` (rows, ids) on the
-        device replaces the input ids of those rows only."""
+        buffer, valid until the next replay). ``patch`` (rows, ids) on the device replaces the
+        input ids of those rows (tokens a step launched before is still computing)."""
         n = len(out.scheduled)
         bucket = next(s for s in self.buckets if s >= n)
         if self.copied is not None:  # the previous step's uploads must have left the host buffers
             self.copied.synchronize()
-        rows = self._fill(out, bucket, ahead)
+        rows = self._fill(out, bucket)
         self.dev64.copy_(self.host64, non_blocking=True)
         self.dev32.copy_(self.host32, non_blocking=True)
         self.dev_tables[:, :rows].copy_(self.host_tables[:, :rows], non_blocking=True)
-        if input_ids is not None:
-            self.dev64[0, :n].copy_(input_ids)
         if patch is not None:
             self.dev64[0].index_copy_(0, patch[0], patch[1])
         self.copied = self.runner.platform.record_event()

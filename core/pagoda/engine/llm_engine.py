@@ -13,7 +13,6 @@ from pagoda.engine.block_manager import BlockManager
 from pagoda.engine.detokenizer import Detokenizer, find_stop_string
 from pagoda.engine.executor.tensor_parallel import create_executor
 from pagoda.engine.kv_groups import blocks_for_one_sequence
-from pagoda.engine.lookahead import DecodeLookahead
 from pagoda.engine.model_runner import ModelRunner
 from pagoda.engine.pipeline import StepPipeline
 from pagoda.engine.prompt_ids import check_prompt_ids
@@ -98,18 +97,13 @@ class LLMEngine:
         if config.runner != "pooling":  # (a pooling runner only prefills: decode graphs would go unused)
             graph_batch = self.speculative.graph_batch_size(config.max_num_seqs) if self.speculative else None
             self.runner.capture_graphs(graph_batch or config.max_num_seqs, self.max_model_len)
-        # offline steps launched ahead of the host work: every step on one device whose platform queues
-        # work asynchronously (pagoda.engine.pipeline), decode steps of a tensor-parallel engine
-        # (pagoda.engine.lookahead)
+        # offline steps launched ahead of the host work (pagoda.engine.pipeline), on one device or over
+        # tensor-parallel ranks, where the platform queues work asynchronously (pipeline stages: not yet)
         self.pipeline: StepPipeline | None = None
-        self.lookahead: DecodeLookahead | None = None
-        if isinstance(self.runner, ModelRunner):
-            if self.platform.supports_async_steps:
-                self.pipeline = StepPipeline(self)
-        elif getattr(self.runner, "graphs", None) is not None:
-            self.lookahead = DecodeLookahead(self)
+        if self.platform.supports_async_steps and hasattr(self.runner, "launch") and config.pipeline_parallel_size == 1:
+            self.pipeline = StepPipeline(self)
         if self.speculative is not None:  # verification steps run one at a time
-            self.pipeline = self.lookahead = None
+            self.pipeline = None
         self.eos_token_ids = self._eos_ids()
         self.controls = RequestControls(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids, config)
         sampler = self.runner.sampler
@@ -258,7 +252,7 @@ class LLMEngine:
         every running request's partial output each step costs host time)."""
         if self.pooling is not None:  # prefill-only steps: outputs of the requests that finished
             return self.pooling.step()
-        ahead = self.pipeline or self.lookahead
+        ahead = self.pipeline
         if ahead is not None and (finished_only or ahead.pending is not None):
             outputs = ahead.step(finished_only)
             if outputs is not None:
@@ -412,10 +406,11 @@ class LLMEngine:
 
     def enable_step_pipeline(self) -> None:
         """Pipeline offline steps on a device that does not do it by default (tests on a CPU,
-        where it changes nothing but the order of host work). One device only."""
-        if not isinstance(self.runner, ModelRunner):
-            raise ConfigError("the step pipeline runs on one device; tensor-parallel engines pipeline decode steps")
-        self.pipeline, self.lookahead = StepPipeline(self), None
+        where it changes nothing but the order of host work)."""
+        if not hasattr(self.runner, "launch") or self.config.pipeline_parallel_size > 1:
+            raise ConfigError("the step pipeline runs on one device or over tensor-parallel ranks, not over "
+                              "pipeline stages")
+        self.pipeline = StepPipeline(self)
 
     def shutdown(self) -> None:
         """Stop the other ranks of a tensor-parallel engine (no-op on one device; also done

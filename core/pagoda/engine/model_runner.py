@@ -97,7 +97,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.graphs = None  # pagoda.engine.graphs.DecodeGraphs when captured
-        self._token_hosts: list[torch.Tensor] | None = None  # pinned token buffers of launch_decode
+        self._token_hosts: list[torch.Tensor] | None = None  # page-locked token buffers of launched steps
         self._token_turn = 0
         self.expert_counts: dict[str, torch.Tensor] = {}
         self.multimodal = None  # pagoda.multimodal.encoder.MultiModalStep of a model that embeds images
@@ -262,25 +262,17 @@ class ModelRunner:
     def launch(self, out: SchedulerOutput, feed=None) -> PendingDecode:
         """Start a greedy step without waiting for it (``pagoda.engine.pipeline``): graphs for a
         decode batch they hold, else eagerly. The tokens of the sampling rows stay on the
-        device and are copied to the host in the background. ``feed`` (tokens, rows,
-        indices), device tensors: the input ids of decode ``rows`` are ``tokens[indices]``
-        (a previous step's tokens, not yet on the host)."""
+        device and are copied to the host in the background. ``feed`` (``pagoda.engine.pipeline.
+        StepFeed``): the input ids of decode ``feed.rows`` are ``feed.tokens[feed.indices]`` (a
+        previous step's tokens, not yet on the host)."""
         if self.graphs is not None and self.graphs.can_run(out):
-            logits = self.graphs.run(out, patch=None if feed is None else (feed[1], feed[0].index_select(0, feed[2])))
+            patch = None if feed is None else (feed.rows, feed.tokens.index_select(0, feed.indices))
+            logits = self.graphs.run(out, patch=patch)
             return self._pending_greedy(logits, len(out.scheduled))
         inputs = self._inputs(out)
         if feed is not None:
-            tokens, rows, indices = feed
-            inputs.input_ids.index_copy_(0, rows, tokens.index_select(0, indices))
+            inputs.input_ids.index_copy_(0, feed.rows, feed.tokens.index_select(0, feed.indices))
         return self._pending_greedy(self._forward(inputs)[0], len(inputs.sample_seqs))
-
-    @torch.inference_mode()
-    def launch_decode(self, out: SchedulerOutput, ahead: int = 0,
-                      input_ids: torch.Tensor | None = None) -> PendingDecode:
-        """Start a greedy decode step from the captured graphs without waiting for it (the
-        decode lookahead of tensor-parallel engines, ``pagoda.engine.lookahead``).
-        ``ahead``/``input_ids``: see ``DecodeGraphs.run``."""
-        return self._pending_greedy(self.graphs.run(out, ahead, input_ids), len(out.scheduled))
 
     def _pending_greedy(self, logits: torch.Tensor, n: int) -> PendingDecode:
         """The greedy tokens of a launched step's first ``n`` logits rows, copied to a page-locked host

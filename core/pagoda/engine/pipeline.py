@@ -1,13 +1,15 @@
 """Step pipeline: launch step N+1 on the device before step N's tokens reach the host.
 
-Offline batches of greedy requests (``LLM.generate``: ``LLMEngine.step(finished_only=True)``)
-on one CUDA device. After step N is launched the scheduler advances as if it had run
-(``Scheduler.advance``): its chunks count as computed and every sequence that samples holds
-a ``PENDING_TOKEN``. Step N+1 is then scheduled and launched right away; the decodes whose
-input is a pending token take it from N's tokens on the device. Only then does the host wait
-for N's tokens, write them in (``Scheduler.commit``: stops, outputs) and advance N+1. The
-host work of a step (scheduling, building inputs, launching an eager prefill, stop checks)
-leaves the critical path for prefill steps as well as for graph-replayed decodes.
+Offline batches of greedy requests (``LLM.generate``: ``LLMEngine.step(finished_only=True)``) on a
+platform that queues work asynchronously (``Platform.supports_async_steps``), on one device or
+several tensor-parallel ranks alike (the executor sends each launch and its feed to every rank; each
+rank feeds its own copy of the previous step's tokens). After step N is launched the scheduler
+advances as if it had run (``Scheduler.advance``): its chunks count as computed and every sequence
+that samples holds a ``PENDING_TOKEN``. Step N+1 is then scheduled and launched right away; the
+decodes whose input is a pending token take it from N's tokens on the device. Only then does the
+host wait for N's tokens, write them in (``Scheduler.commit``: stops, outputs) and advance N+1. The
+host work of a step (scheduling, building inputs, launching an eager prefill, stop checks) leaves
+the critical path for prefill steps as well as for graph-replayed decodes.
 
 Nothing changes in what is generated. A sequence whose pending token reaches a length limit
 is not scheduled again (``Scheduler.ends_by_length``). One that stops by EOS, a stop token or
@@ -22,12 +24,22 @@ from __future__ import annotations
 
 import itertools
 import time
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from pagoda.engine.scheduler import PENDING_TOKEN, SchedulerOutput
 from pagoda.kernels.host_upload import upload
+
+
+class StepFeed(NamedTuple):
+    """The decode rows of a launched step whose input is a token of the step launched before it."""
+
+    tokens: torch.Tensor  # [s] that step's sampled tokens, on the device
+    rows: torch.Tensor  # [k] rows of this step (device)
+    indices: torch.Tensor  # [k] their tokens' indices into ``tokens`` (device)
+    host: np.ndarray  # [2, k] rows and indices on the host (for the other tensor-parallel ranks)
 
 
 class StepPipeline:
@@ -51,9 +63,9 @@ class StepPipeline:
         distinct = {id(s.params): s.params for s in itertools.chain(sched.running, sched.waiting)}.values()
         return all(p.argmax_only for p in distinct)
 
-    def _feed(self, nxt: SchedulerOutput, out: SchedulerOutput, tokens: torch.Tensor):
-        """(tokens, rows, indices): the decodes of ``nxt`` whose input is a pending token of
-        ``out``, as rows of nxt and indices into out's sampled tokens (None: there are none)."""
+    def _feed(self, nxt: SchedulerOutput, out: SchedulerOutput, tokens: torch.Tensor) -> StepFeed | None:
+        """The decodes of ``nxt`` whose input is a pending token of ``out``, as rows of nxt and
+        indices into out's sampled tokens (None: there are none)."""
         index = {it.seq.seq_id: i for i, it in enumerate(it for it in out.scheduled if it.sample)}
         rows, picks = [], []
         for row, it in enumerate(nxt.scheduled[:nxt.num_decodes]):
@@ -62,8 +74,9 @@ class StepPipeline:
                 picks.append(index[it.seq.seq_id])
         if not rows:
             return None
-        both = upload(np.array([rows, picks], dtype=np.int64), tokens.device)  # not waiting for the step in flight
-        return tokens, both[0], both[1]
+        host = np.array([rows, picks], dtype=np.int64)
+        both = upload(host, tokens.device)  # not waiting for the step in flight
+        return StepFeed(tokens, both[0], both[1], host)
 
     def step(self, finished_only: bool) -> list | None:
         """One engine step through the pipeline; None when the usual path should run it."""

@@ -69,13 +69,10 @@ def test_graph_decode_matches_transformers(tmp_path, replay_cpu, model_type):
     assert llm.get_stats()["num_preemptions"] > 0
 
 
-@pytest.mark.parametrize("ahead", ["pipeline", "lookahead"])
-def test_steps_ahead_with_early_stops(tmp_path, replay_cpu, ahead):
-    """Steps launched ahead of the host (the step pipeline of one device, the decode lookahead
-    of tensor-parallel engines): an EOS stop and per-request length limits end sequences in
-    the middle of the pipelined stretch; their speculative tokens are dropped."""
-    from pagoda.engine.lookahead import DecodeLookahead
-
+def test_steps_ahead_with_early_stops(tmp_path, replay_cpu):
+    """Steps launched ahead of the host (the step pipeline, graph-replayed decodes fed from the
+    previous launch's tokens): an EOS stop and per-request length limits end sequences in the
+    middle of the pipelined stretch; their speculative tokens are dropped."""
     path = make_tiny_checkpoint("qwen3", tmp_path, seed=3, **TINY)
     prompts = random_prompts(5, 320, 4, 20, seed=5)
     full = hf_greedy_tokens(path, prompts, 14)
@@ -85,11 +82,8 @@ def test_steps_ahead_with_early_stops(tmp_path, replay_cpu, ahead):
     want = cut_at_stops(full, eos, limits)
     llm = LLM(model=str(path), device="cpu", dtype="float32", attention_backend="triton", num_kv_blocks=40,
               block_size=4, max_num_seqs=8, max_model_len=64)
-    if ahead == "pipeline":
-        llm.engine.enable_step_pipeline()
-    else:
-        llm.engine.lookahead = DecodeLookahead(llm.engine)
+    llm.engine.enable_step_pipeline()
     outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=m) for m in limits])
     assert [o.outputs[0].token_ids for o in outs] == want
-    assert (llm.engine.pipeline or llm.engine.lookahead).launched_ahead > 3
+    assert llm.engine.pipeline.launched_ahead > 3
     assert llm.get_stats()["kv_blocks_used"] == 0

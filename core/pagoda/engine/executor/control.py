@@ -26,8 +26,9 @@ class Kind(enum.IntEnum):
 class StepMode(enum.IntEnum):
     EXECUTE = 0  # runner.execute (rank 0 samples)
     ALL_LOGITS = 1  # runner.forward_all_logits (scoring)
-    # runner.launch_decode (decode lookahead); argument: ``ahead``; with ahead > 0 the input ids
-    # are the tokens of the rank's own previous launch (every rank holds the same full logits)
+    # runner.launch (the step pipeline); argument: k, the rows fed from the previous launch's tokens,
+    # whose (rows, indices) are the payload's last 2k words; each rank feeds its own previous launch's
+    # tokens (every rank holds the same full logits, so the same argmax)
     LAUNCH = 2
 
 

@@ -6,27 +6,29 @@ the same ``SchedulerOutput``, so that every rank runs the very same ``ModelRunne
 sequence — ``seq_id``, ``token_ids``, the prompt length, ``num_computed_tokens``,
 ``block_table`` (and the other KV cache groups' ``group_block_tables``, each as long) and
 ``num_preemptions`` (decode graphs key their incremental block tables on it). Token ids travel
-once: a sequence's first step carries all its tokens, later steps only the ones appended since.
+once: a sequence's first step carries all its tokens, later steps only the ones appended since;
+a ``PENDING_TOKEN`` (the step pipeline's stand-in for a token still on the device) travels again,
+as the real token, with the next step, replacing the mirror's copy from ``first_sent`` on.
 Block tables travel whole (preemption and prefix caching rewrite them). Sequences the engine
 forgot are freed on the next step.
 
-Words: ``[n, num_decodes, num_batched_tokens, num_freed]``, then n rows of
-``(seq_id, num_computed_tokens, num_new_tokens, flags, num_prompt_tokens, num_preemptions,
-num_sent_tokens, num_blocks)`` (flags: 1 = samples, 2 = wants prompt logprobs, bits 2..: the LoRA adapter id,
-0 for the base model), then the sent tokens, the
-block tables (``num_blocks`` entries of each group, group 0 first) and the freed ids.
+Words: ``[n, num_decodes, num_batched_tokens, num_freed]``, then n rows of ``(seq_id,
+num_computed_tokens, num_new_tokens, flags, num_prompt_tokens, num_preemptions, num_sent_tokens,
+num_blocks, first_sent)`` (flags: 1 = samples, 2 = wants prompt logprobs, bits 2..: the LoRA adapter
+id, 0 for the base model), then the sent tokens, the block tables (``num_blocks`` entries of each
+group, group 0 first) and the freed ids.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from pagoda.engine.scheduler import ScheduledSeq, SchedulerOutput
+from pagoda.engine.scheduler import PENDING_TOKEN, ScheduledSeq, SchedulerOutput
 from pagoda.engine.sequence import Sequence, SequenceStatus
 from pagoda.sampling_params import SamplingParams
 
 HEAD = 4
-COLUMNS = 8
+COLUMNS = 9
 
 
 class StepEncoder:
@@ -51,11 +53,12 @@ class StepEncoder:
             seq = it.seq
             sent = self._sent.get(seq.seq_id, 0) if persistent else 0
             new = seq.token_ids[sent:]
-            if persistent:
-                self._sent[seq.seq_id] = seq.num_tokens
+            if persistent:  # a pending last token is sent again once it is known
+                pending = bool(seq.token_ids) and seq.token_ids[-1] == PENDING_TOKEN
+                self._sent[seq.seq_id] = seq.num_tokens - pending
             flags = int(it.sample) | (2 if seq.wants_prompt_logprobs else 0) | (seq.lora_int_id << 2)
             rows[i] = (seq.seq_id, seq.num_computed_tokens, it.num_new_tokens, flags, seq.num_prompt_tokens,
-                       seq.num_preemptions, len(new), len(seq.block_table))
+                       seq.num_preemptions, len(new), len(seq.block_table), sent)
             tokens += new
             blocks += seq.block_table
             for table in seq.group_block_tables:
@@ -94,7 +97,7 @@ class StepDecoder:
             self.seqs.pop(seq_id, None)
         scheduled = []
         t = b = 0
-        for seq_id, computed, num_new, flags, num_prompt, preemptions, num_sent, num_bt in rows:
+        for seq_id, computed, num_new, flags, num_prompt, preemptions, num_sent, num_bt, first_sent in rows:
             sent = tokens[t:t + num_sent]
             t += num_sent
             seq = self.seqs.get(seq_id) if persistent else None
@@ -104,6 +107,7 @@ class StepDecoder:
                 if persistent:
                     self.seqs[seq_id] = seq
             elif sent:
+                del seq.token_ids[first_sent:]  # (a pending token sent before, now known)
                 seq.token_ids.extend(sent)
             seq.num_computed_tokens = computed
             seq.num_preemptions = preemptions

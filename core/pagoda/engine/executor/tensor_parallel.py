@@ -4,7 +4,7 @@
 torchrun) it returns a plain ``ModelRunner`` — today's path, nothing in between. Otherwise
 it starts or joins the ranks (``pagoda.distributed.process_group``) and rank 0 gets a
 ``TensorParallelExecutor``: the same interface as the runner (``execute``,
-``launch_decode``/``collect_decode``, ``forward_all_logits``, ``allocate_kv_cache``,
+``launch``/``collect_decode`` (the step pipeline), ``forward_all_logits``, ``allocate_kv_cache``,
 ``capture_graphs``, ``forget``, and rank 0's runner attributes such as ``model``, ``graphs``
 and ``expert_counts``; a runner method it does not know raises instead of running on rank 0
 alone). Each step, rank 0 broadcasts the
@@ -26,6 +26,7 @@ import time
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -236,14 +237,17 @@ class TensorParallelExecutor:
             return self.driver.execute(out)
 
     @torch.inference_mode()
-    def launch_decode(self, out, ahead: int = 0, input_ids: torch.Tensor | None = None):
-        """Decode lookahead (``pagoda.engine.lookahead``): every rank launches the step from its
-        graphs; a step launched ahead takes each rank's own tokens of the previous launch, which
-        agree because every rank argmaxes the same gathered logits."""
+    def launch(self, out, feed=None):
+        """The step pipeline (``pagoda.engine.pipeline``): every rank launches the step (graphs or
+        eager); fed rows take each rank's own tokens of the previous launch, which agree because
+        every rank argmaxes the same gathered logits."""
         words = self.encoder.encode(out)
-        with self._collective("a decode step"):
-            self.run.channel.send_words(words, StepMode.LAUNCH, ahead)
-            return self.driver.launch_decode(out, ahead, input_ids)
+        k = 0 if feed is None else feed.host.shape[1]
+        if k:
+            words = np.concatenate([words, feed.host.reshape(-1)])
+        with self._collective("a launched step"):
+            self.run.channel.send_words(words, StepMode.LAUNCH, k)
+            return self.driver.launch(out, feed)
 
     def collect_decode(self, pending) -> list[int]:
         with self._collective("a decode step"):

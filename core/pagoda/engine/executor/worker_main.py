@@ -16,6 +16,8 @@ import signal
 import sys
 from typing import Any
 
+import numpy as np
+
 from pagoda.engine.executor.control import ControlChannel, Kind, StepMode
 from pagoda.engine.executor.step_codec import StepDecoder
 from pagoda.engine.gc_freeze import freeze_startup_objects
@@ -43,6 +45,18 @@ class NoSampling:
         pass
 
 
+def _feed(launched, fed, k: int):
+    """This rank's StepFeed: its own tokens of the previous launch, at the rows rank 0 sent."""
+    from pagoda.engine.pipeline import StepFeed
+    from pagoda.kernels.host_upload import upload
+
+    if launched is None:
+        raise RuntimeError("a step fed from the previous launch's tokens, but no step was launched before it")
+    host = np.asarray(fed, dtype=np.int64).reshape(2, k)
+    both = upload(host, launched.tokens.device)
+    return StepFeed(launched.tokens, both[0], both[1], host)
+
+
 def serve_rank(runner: Any, channel: ControlChannel) -> None:
     """Run steps and calls from rank 0 until it sends STOP."""
     runner.sampler = NoSampling()
@@ -50,7 +64,7 @@ def serve_rank(runner: Any, channel: ControlChannel) -> None:
     lora = getattr(runner, "lora", None)  # enable_lora: adapters registered by rank 0's load_lora calls
     decoder = StepDecoder(layout.num_groups if layout is not None else 1,
                           lora_lookup=None if lora is None else lora.known.__getitem__)
-    launched = None  # the last launch_decode's PendingDecode (its tokens feed a step launched ahead)
+    launched = None  # the last launch's PendingDecode (its tokens feed the next launch's pending rows)
     stepping = False
     while True:
         kind, mode, arg, payload = channel.receive()
@@ -60,15 +74,16 @@ def serve_rank(runner: Any, channel: ControlChannel) -> None:
             if not stepping:  # set-up is over (weights, cache, graphs): as rank 0 does
                 freeze_startup_objects()
                 stepping = True
+            fed = None
+            if mode == StepMode.LAUNCH and arg:  # the fed rows' (rows, indices) end the payload
+                fed, payload = payload[len(payload) - 2 * arg:], payload[:len(payload) - 2 * arg]
             out, freed = decoder.decode(payload, persistent=mode != StepMode.ALL_LOGITS)
             for seq_id in freed:
                 runner.forget(seq_id)
             if mode == StepMode.EXECUTE:
                 runner.execute(out)
             elif mode == StepMode.LAUNCH:
-                if arg and launched is None:
-                    raise RuntimeError("a decode step launched ahead, but no step was launched before it")
-                launched = runner.launch_decode(out, arg, launched.tokens if arg else None)
+                launched = runner.launch(out, None if fed is None else _feed(launched, fed, arg))
             else:
                 runner.forward_all_logits(out)
         else:
