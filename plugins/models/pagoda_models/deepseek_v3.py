@@ -172,7 +172,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     TESTED = ("prompt logits (fp32) and 32+ greedy tokens with chunked prefill and preemption; q_lora on/off, "
               "n_group > 1 with a correction bias, YaRN with mscale, interleaved and plain rope, MTP tensors in "
               "the checkpoint; cache bytes per token; expert counts vs the HF router's choices "
-              "(tests/test_models_deepseek.py)")
+              "(plugins/models/tests/test_models_deepseek.py)")
     decoder_layer = DeepseekV3DecoderLayer
     mtp_architecture = "DeepSeekMTPModel"  # what speculative method mtp loads from the skipped MTP layers
 

@@ -120,6 +120,6 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
                 "index keys cached next to the latent (L + R + index_head_dim per token); mlp_layer_types")
     TESTED = ("prompt logits (fp32) and 32+ greedy tokens with chunked prefill, preemption and prefix caching, "
               "index_topk smaller than the prompts; cache bytes per token; the Triton sparse kernels under the "
-              "interpreter against the torch reference (tests/test_models_deepseek_v32.py, "
+              "interpreter against the torch reference (plugins/models/tests/test_models_deepseek_v32.py, "
               "plugins/cuda/tests/test_sparse_mla.py)")
     decoder_layer = DeepseekV32DecoderLayer

@@ -147,7 +147,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     TESTED = ("prompt logits (fp32) and 32 greedy tokens with chunked prefill and preemption; family variants: "
               "attention bias, MHA, tied embeddings (Llama), q/k norm (Qwen3), sliding window (Mistral) "
-              "(tests/test_llama_family.py)")
+              "(plugins/models/tests/test_llama_family.py)")
     # None: take the config's attention_bias
     qkv_bias: bool | None = None
     o_bias: bool | None = None

@@ -62,7 +62,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
                 "fused_moe with per-expert load counts, sliding window when the config sets one")
     TESTED = ("prompt logits (fp32) and 32+ greedy tokens with chunked prefill, preemption and prefix caching; "
               "sliding window on/off, top-2 and top-3 of 8 experts; expert counts vs the HF router's choices "
-              "(tests/test_models_mixtral_gpt_oss.py)")
+              "(plugins/models/tests/test_models_mixtral_gpt_oss.py)")
     decoder_layer = MixtralDecoderLayer
 
     def load_weights(self, weights) -> set[str]:

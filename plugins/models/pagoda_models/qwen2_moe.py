@@ -76,7 +76,7 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
                 "mlp_only_layers, q/k/v bias; experts via fused_moe with per-expert load counts")
     TESTED = ("prompt logits (fp32) and 32+ greedy tokens with chunked prefill and preemption; shared expert "
               "on/off, norm_topk_prob, dense layers (mlp_only_layers, decoder_sparse_step); expert counts vs "
-              "the HF router's choices (tests/test_models_moe.py)")
+              "the HF router's choices (plugins/models/tests/test_models_moe.py)")
     decoder_layer = Qwen2MoeDecoderLayer
     o_bias = False
 

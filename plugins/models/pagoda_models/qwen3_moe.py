@@ -12,7 +12,7 @@ class Qwen3MoeForCausalLM(Qwen2MoeForCausalLM):
                 "head_dim, decoder_sparse_step, mlp_only_layers; experts via fused_moe with per-expert load counts")
     TESTED = ("prompt logits (fp32) and 32+ greedy tokens with chunked prefill and preemption; norm_topk_prob, "
               "checkpoints with stacked expert tensors; expert counts vs the HF router's choices "
-              "(tests/test_models_moe.py)")
+              "(plugins/models/tests/test_models_moe.py)")
     qk_norm = True
 
     def attention_biases(self, config) -> tuple[bool, bool]:
