@@ -177,3 +177,11 @@ def test_a_failing_drafter_costs_speed_not_requests(target, tmp_path):
                                                           plain[2].outputs[0].token_ids]
     assert all(o.outputs[0].finish_reason == "length" for o in got)
     assert decoder.drafter_failures > 1 and llm.get_stats()["kv_blocks_used"] == 0
+    # a head whose logits turn to NaN: the sampled request's draft distribution is refused by name
+    del proposer.propose
+    failures, head = decoder.drafter_failures, proposer.runner.model
+    head.compute_logits = lambda hidden: torch.full((hidden.shape[0], VOCAB), float("nan"))
+    got = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got][::2] == [plain[0].outputs[0].token_ids,
+                                                          plain[2].outputs[0].token_ids]
+    assert decoder.drafter_failures > failures and llm.get_stats()["kv_blocks_used"] == 0

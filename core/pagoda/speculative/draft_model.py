@@ -166,6 +166,13 @@ class DraftModelProposer:
         if params.greedy:
             return int(row.argmax()), None
         probs = sampling_probs(row[None], params)[0]
+        if not bool(torch.isfinite(probs).all()):  # (the decoder logs it and drafts nothing for the sequence)
+            finite = row[torch.isfinite(row)]
+            raise FloatingPointError(
+                f"request {seq.request_id}: the drafter's distribution is not finite (logits: "
+                f"{int(torch.isnan(row).sum())} NaN, {int(torch.isinf(row).sum())} infinite of {row.numel()}, "
+                f"finite range [{float(finite.min()) if finite.numel() else 0:.3g}, "
+                f"{float(finite.max()) if finite.numel() else 0:.3g}])")
         token = int(torch.multinomial(probs, 1, generator=self._draw_generator(seq)).item())
         return token, probs
 
