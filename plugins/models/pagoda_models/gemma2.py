@@ -145,8 +145,8 @@ class Gemma2ForCausalLM(nn.Module):
                 "feed-forward (1 + w) RMSNorms, "
                 "sqrt(hidden)-scaled embeddings, gated GELU-tanh MLP, tied embeddings")
     TESTED = ("prompt logits (fp32) and 32+ greedy tokens with chunked prefill, preemption and prefix caching; "
-              "prompts longer than the window; soft-caps on/off (plugins/models/tests/test_models_gemma.py); Triton path under "
-              "the interpreter (plugins/cuda/tests/test_model_triton.py)")
+              "prompts longer than the window; soft-caps on/off (plugins/models/tests/test_models_gemma.py); "
+              "Triton path under the interpreter (plugins/cuda/tests/test_model_triton.py)")
     decoder_layer = Gemma2DecoderLayer
 
     def __init__(self, config, quant_config=None, prefix: str = ""):

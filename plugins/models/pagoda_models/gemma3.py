@@ -20,7 +20,7 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
                 "query_pre_attn_scalar, pre/post (1 + w) norms, sqrt(hidden)-scaled embeddings, optional "
                 "soft-capping, tied embeddings")
     TESTED = ("prompt logits (fp32) and 32+ greedy tokens with chunked prefill, preemption and prefix caching; "
-              "prompts longer than the window, linear-scaled global rope (plugins/models/tests/test_models_gemma.py); Triton path "
-              "under the interpreter, also through decode graphs (plugins/cuda/tests); KV blocks held per sequence "
-              "(tests/test_kv_groups.py)")
+              "prompts longer than the window, linear-scaled global rope "
+              "(plugins/models/tests/test_models_gemma.py); Triton path under the interpreter, also through "
+              "decode graphs (plugins/cuda/tests); KV blocks held per sequence (tests/test_kv_groups.py)")
     decoder_layer = Gemma3DecoderLayer

@@ -114,8 +114,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
                 "the published checkpoints dequantized to the model dtype at load (no MXFP4 kernel yet)")
     TESTED = ("prompt logits (fp32) and 32+ greedy tokens with chunked prefill, preemption and prefix caching; an "
               "MXFP4 checkpoint against transformers on the same dequantized weights; Triton path under the "
-              "interpreter; expert counts vs the HF router (plugins/models/tests/test_models_mixtral_gpt_oss.py); 2 tensor-parallel "
-              "ranks (tests/test_distributed.py)")
+              "interpreter; expert counts vs the HF router (plugins/models/tests/test_models_mixtral_gpt_oss.py); "
+              "2 tensor-parallel ranks (tests/test_distributed.py)")
     decoder_layer = GptOssDecoderLayer
 
     def __init__(self, config, quant_config=None, prefix: str = ""):

@@ -94,8 +94,9 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     TESTED = ("prompt logits (fp32) and 32+ greedy tokens with chunked prefill and preemption, LongRoPE "
               "on/off, prompts longer than original_max_position_embeddings, hub-style and "
               "`rope_parameters` configs, recompute after preemption past the switch, sliding window "
-              "(plugins/models/tests/test_models_phi3.py, tests/test_rotary.py); GPTQ, AWQ and FP8 checkpoints, also split over "
-              "2 ranks (plugins/quant/tests/test_quant_checkpoints.py, plugins/quant/tests/test_quant_tp.py)")
+              "(plugins/models/tests/test_models_phi3.py, tests/test_rotary.py); GPTQ, AWQ and FP8 checkpoints, "
+              "also split over 2 ranks (plugins/quant/tests/test_quant_checkpoints.py, "
+              "plugins/quant/tests/test_quant_tp.py)")
     qkv_bias = False
     o_bias = False
 
