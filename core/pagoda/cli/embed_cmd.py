@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from pagoda.cli.engine_args import add_engine_args, engine_config_from_args
+from pagoda.cli.engine_args import add_engine_args, engine_config_from_args, read_prompts
 
 
 def add_parser(sub) -> None:
@@ -27,10 +27,7 @@ def run(args) -> int:
     from pagoda import LLM
     from pagoda.pooling import PoolingParams
 
-    prompts = list(args.prompt or [])
-    if args.prompts_file:
-        with open(args.prompts_file) as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    prompts = read_prompts(args)
     if not prompts:
         print("pagoda embed: give --prompt (repeatable) or --prompts-file", file=sys.stderr)
         return 2

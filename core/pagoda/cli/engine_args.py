@@ -47,6 +47,15 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
                            help=argparse.SUPPRESS)
 
 
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """The prompts of ``--prompt`` (repeatable) and ``--prompts-file`` (one per non-empty line)."""
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    return prompts
+
+
 def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
     values = {name: getattr(args, name, None) for name in EngineConfig.model_fields}
     values.update({k: v for k, v in extra.items() if v is not None})

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from pagoda.cli.engine_args import add_engine_args, engine_config_from_args
+from pagoda.cli.engine_args import add_engine_args, engine_config_from_args, read_prompts
 
 
 def add_parser(sub) -> None:
@@ -39,10 +39,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from pagoda import LLM, SamplingParams
 
-    prompts = list(args.prompt or [])
-    if args.prompts_file:
-        with open(args.prompts_file) as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    prompts = read_prompts(args)
     if not prompts:
         prompts = ["The capital of France is"]
     lora, extra = None, {}

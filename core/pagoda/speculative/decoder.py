@@ -176,10 +176,8 @@ class SpeculativeDecoder:
         log = logger.error if self.drafter_failures == 1 else logger.debug
         log("speculative decoding: the %s drafter failed (%s: %s); %d sequences go on without drafts",
             self.spec.method, type(exc).__name__, exc, len(seqs), exc_info=exc)
-        forget = getattr(self.proposer, "forget", None)
         for seq in seqs:
-            if forget is not None:
-                forget(seq.seq_id)
+            self.proposer.forget(seq.seq_id)
 
     def _draft(self, out: SchedulerOutput) -> tuple[dict[int, list[int]], dict]:
         """Drafted tokens by seq_id, appended to each sequence's token_ids with their KV slots

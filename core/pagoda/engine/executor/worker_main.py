@@ -21,7 +21,9 @@ import numpy as np
 from pagoda.engine.executor.control import ControlChannel, Kind, StepMode
 from pagoda.engine.executor.step_codec import StepDecoder
 from pagoda.engine.gc_freeze import freeze_startup_objects
+from pagoda.engine.pipeline import StepFeed
 from pagoda.engine.sampler import SampleResult
+from pagoda.kernels.host_upload import upload
 
 logger = logging.getLogger("pagoda")
 
@@ -47,9 +49,6 @@ class NoSampling:
 
 def _feed(launched, fed, k: int):
     """This rank's StepFeed: its own tokens of the previous launch, at the rows rank 0 sent."""
-    from pagoda.engine.pipeline import StepFeed
-    from pagoda.kernels.host_upload import upload
-
     if launched is None:
         raise RuntimeError("a step fed from the previous launch's tokens, but no step was launched before it")
     host = np.asarray(fed, dtype=np.int64).reshape(2, k)
