@@ -4,8 +4,9 @@
 # engine against transformers+peft), then `pagoda bench throughput` on qwen3-0.6b (random weights), 64
 # prompts, with 0 (base only), 1, 4 and 16 distinct rank-16 adapters on every projection. Prints a table
 # last: output tok/s and the cost against the base (issue target: 16 adapters cost <= 20%).
-# LoRA steps run without CUDA graphs for now, so "0e" (the base model with --enforce-eager) is in the table too.
-#   LORA_SHAPE=qwen3-0.6b LORA_INPUT=256 LORA_OUTPUT=128 LORA_COUNTS="0 0e 1 4 16" bash scripts/gpu_lora.sh
+# "0e" (the base model with --enforce-eager) can be added to the counts for the cost of running eagerly;
+# LORA_PROFILE=16 adds --profile (decode step breakdown) to the run with that many adapters.
+#   LORA_SHAPE=qwen3-0.6b LORA_INPUT=256 LORA_OUTPUT=128 LORA_COUNTS="0 1 4 16" bash scripts/gpu_lora.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/lora}
@@ -15,7 +16,8 @@ PY=${PYTHON:-python3}
 SHAPE=${LORA_SHAPE:-qwen3-0.6b}
 INPUT=${LORA_INPUT:-256}
 OUTPUT=${LORA_OUTPUT:-128}
-COUNTS=${LORA_COUNTS:-"0 0e 1 4 16"}  # 0e: the base model run eagerly (LoRA runs without CUDA graphs)
+COUNTS=${LORA_COUNTS:-"0 1 4 16"}  # 0e: the base model run eagerly
+PROFILE_COUNT=${LORA_PROFILE:-16}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 T0=$(date +%s)
 say() { echo "[lora +$(( $(date +%s) - T0 ))s] $*" | tee -a "$RES/lora.log"; }
@@ -31,8 +33,9 @@ tail -3 "$RES/tests.txt" | tee -a "$RES/lora.log"
 
 for n in $COUNTS; do
   case $n in 0) lora=() ;; 0e) lora=(--enforce-eager) ;; *) lora=(--lora "$n" --lora-rank 16) ;; esac
+  [ "$n" = "$PROFILE_COUNT" ] && lora+=(--profile)
   say "bench $SHAPE, 64 prompts, $n adapters"
-  timeout 50 $PY -m pagoda.cli.main bench throughput --shape "$SHAPE" --num-prompts 64 --input-len "$INPUT" \
+  timeout 70 $PY -m pagoda.cli.main bench throughput --shape "$SHAPE" --num-prompts 64 --input-len "$INPUT" \
     --output-len "$OUTPUT" --ignore-eos --repeats 2 --warmup-prompts 64 --max-num-seqs 64 --bandwidth-gbs 4800 --matmul-tflops 990 \
     --json "$RES/bench-$n.json" "${lora[@]}" >"$RES/bench-$n.txt" 2>&1 || say "bench with $n adapters failed or timed out"
   grep -E "output tok/s" "$RES/bench-$n.txt" | head -1 | tee -a "$RES/lora.log"

@@ -87,7 +87,8 @@ def test_mixed_batch_matches_peft_on_the_gpu(models, prompts, expected):
 
 def test_decode_graph_inputs_carry_each_rows_adapter_slot(models, prompts):
     """Decode graphs (CUDA) read each row's adapter slot from a static buffer row that the step fills:
-    the slot of the row's adapter, -1 for base rows and for the bucket's padding rows."""
+    the slot of the row's adapter, -1 for base rows and for the bucket's padding rows, and the rows
+    sorted by that slot (the order the LoRA kernels take them in)."""
     from pagoda.engine.graphs import DecodeGraphs
 
     by_name = requests(models)
@@ -105,6 +106,8 @@ def test_decode_graph_inputs_carry_each_rows_adapter_slot(models, prompts):
     slots = engine.runner.lora.slots
     want = [slots[by_name[n].lora_int_id] if by_name[n] else -1 for n in names] + [-1]
     assert graphs.np64[2 + graphs.num_groups, :4].tolist() == want
+    order = graphs.np64[3 + graphs.num_groups, :4].tolist()
+    assert sorted(order) == [0, 1, 2, 3] and [want[i] for i in order] == sorted(want)
     engine.abort_request([f"r{i}" for i in range(len(names))])
 
 

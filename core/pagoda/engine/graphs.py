@@ -46,9 +46,10 @@ class DecodeGraphs:
         b, w = self.max_bs, self.width
         self.num_groups = g = runner.kv_layout.num_groups
         # int64 rows: input ids, positions, then the slots of each group, then (enable_lora) each row's
-        # LoRA adapter slot (-1: the base; padding rows too); int32 rows: seq lens, token seq lens
+        # LoRA adapter slot (-1: the base; padding rows too) and the rows sorted by that slot;
+        # int32 rows: seq lens, token seq lens
         self.lora = runner.lora
-        self.host64 = host((2 + g + (self.lora is not None), b), torch.int64)
+        self.host64 = host((2 + g + 2 * (self.lora is not None), b), torch.int64)
         self.host32 = host((2, b), torch.int32)
         self.host_tables = host((g, w, b), torch.int32)  # [group, block index, row]
         self.dev64 = torch.zeros(self.host64.shape[0], b, dtype=torch.int64, device=dev)
@@ -126,6 +127,8 @@ class DecodeGraphs:
             h64[2 + self.num_groups, :n] = -1 if lora_slots is None else lora_slots
         h64[:2, n:bucket] = 0
         h64[2:, n:bucket] = -1
+        if self.lora is not None:  # padding rows (slot -1) sort first with the base rows
+            h64[3 + self.num_groups, :bucket] = np.argsort(h64[2 + self.num_groups, :bucket], kind="stable")
         h32[0, :n] = pos + 1
         h32[0, n:bucket] = 1
         h32[1, :n] = pos + 1  # a decoding sequence's length is its computed tokens + the new one
@@ -161,6 +164,8 @@ class DecodeGraphs:
             self.dev32.fill_(1)
             self.dev_tables.zero_()
             self.dev64[2:].fill_(-1)
+            if self.lora is not None:  # a permutation, as every step writes it
+                self.dev64[3 + self.num_groups].copy_(torch.arange(self.max_bs))
             meta = AttentionMetadata(
                 num_tokens=bucket, num_seqs=bucket, num_decodes=bucket, max_query_len=1,
                 max_seq_len=self.max_model_len, block_size=self.block_size,
@@ -171,7 +176,8 @@ class DecodeGraphs:
             if self.lora is not None:  # the LoRA update is always captured; base rows have slot -1
                 from pagoda.lora.manager import LoRAMapping
 
-                lora = LoRAMapping(self.dev64[2 + self.num_groups, :bucket], True)
+                lora = LoRAMapping(self.dev64[2 + self.num_groups, :bucket], True,
+                                   self.dev64[3 + self.num_groups, :bucket])
             ctx = prepared_context(meta, runner.backends, token_seq_lens=token_seq_lens, group_tables=groups,
                                    lora=lora)
 

@@ -31,6 +31,9 @@ class LoRAMapping:
 
     token_slots: torch.Tensor  # [T] int64 on the device: the slot of each token's adapter, -1 for the base
     active: bool  # any token uses an adapter (else the layers skip the update)
+    # [T] int64 on the device: the tokens sorted by slot (stable), so that a kernel's tile of
+    # consecutive entries mostly shares one adapter; None: the kernels take the tokens in order
+    token_order: torch.Tensor | None = None
 
 
 class LoRAManager:
@@ -138,4 +141,6 @@ class LoRAManager:
         if per_seq is None:
             return None
         counts = np.fromiter((it.num_new_tokens for it in out.scheduled), np.int64, len(out.scheduled))
-        return LoRAMapping(upload(np.repeat(per_seq, counts), self.device), True)
+        token_slots = np.repeat(per_seq, counts)
+        both = upload(np.stack([token_slots, np.argsort(token_slots, kind="stable")]), self.device)
+        return LoRAMapping(both[0], True, both[1])
