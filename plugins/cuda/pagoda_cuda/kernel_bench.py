@@ -334,6 +334,26 @@ def bench_decode_gemms(rows: list, tokens: int = 256) -> None:
         del w
 
 
+def bench_lora(rows: list, tokens: int, adapters: int, k: int = 1024, n: int = 4096, rank: int = 48) -> None:
+    """The LoRA update of one fused qkv layer (Qwen3-0.6B, 3 pieces of rank 16) for a decode batch whose
+    rows cycle over ``adapters`` slots, against the layer's base GEMM."""
+    from pagoda_cuda.ops.lora import lora_expand, lora_shrink
+
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(adapters, rank, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(adapters, n, rank, device="cuda", dtype=torch.bfloat16)
+    slots = torch.arange(tokens, device="cuda") % adapters
+    order = torch.argsort(slots, stable=True)
+    y = torch.nn.functional.linear(x, w)
+    shape = f"T={tokens} K={k} N={n} R={rank} adapters={adapters}"
+    _timed(rows, "lora shrink+expand", shape, "slot order",
+           lambda: lora_expand(y, lora_shrink(x, a, slots, order), b, slots, order),
+           nbytes=(a.numel() + b.numel() + x.numel() + 2 * y.numel()) * 2)
+    _timed(rows, "linear (cuBLAS)", shape, "the base GEMM", lambda: torch.nn.functional.linear(x, w),
+           nbytes=(w.numel() + x.numel() + y.numel()) * 2)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pagoda_cuda.kernel_bench", description=__doc__)
     parser.add_argument("--json", help="write the rows as JSON")
@@ -343,7 +363,7 @@ def main(argv=None) -> int:
     parser.add_argument("--install-tuned", action="store_true", help="with --tune-moe: also install the table "
                         "into this package's configs/ (used from then on)")
     parser.add_argument("--only", help="comma-separated prefixes of the sections to time (e.g. decode, "
-                        "decode:qwen3-30b-a3b, prefill, mla, sparse-mla, moe, small, gemm); default: all")
+                        "decode:qwen3-30b-a3b, prefill, mla, sparse-mla, moe, small, gemm, lora); default: all")
     args = parser.parse_args(argv)
     rows: list[dict] = []
     steps = []
@@ -372,6 +392,7 @@ def main(argv=None) -> int:
         ("moe:deepseek-v3-4l-prefill", lambda: bench_moe(rows, 8192, 7168, 2048, 256, 8, (1, 4, 16))),
         ("small", lambda: bench_small_ops(rows, 256)),
         ("gemm", lambda: bench_decode_gemms(rows)),
+        ("lora", lambda: [bench_lora(rows, t, s) for t, s in ((64, 1), (64, 16), (256, 16), (4096, 4))]),
     ]
     wanted = tuple(args.only.split(",")) if args.only else ("",)
     steps += [step for name, step in sections if name.startswith(wanted)]
