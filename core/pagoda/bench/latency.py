@@ -5,7 +5,11 @@ each (EOS ignored), ``--num-iters-warmup`` times untimed, then ``--num-iters`` t
 the batch's end-to-end time per iteration (mean and percentiles, as vLLM), and over every request of
 the timed iterations the time to first token, the inter-token latency (time between consecutive
 tokens of a request) and the request's end-to-end time, p50/p90/p99 in ms. Tokens are timed as the
-engine hands them out (``LLMEngine.step``). ``--baseline llama.cpp`` (llama-cpp-python, .gguf models)
+engine hands them out (``LLMEngine.step``). ``--shape`` runs a random-weight model of a named shape
+(as ``pagoda bench throughput --shape``). The floor: one decode step reads every weight once and the
+batch's KV cache at the mean decode context; those bytes over the measured copy bandwidth
+(``--bandwidth-gbs`` to give it) are the least inter-token latency, reported with the fraction
+floor / p50 ITL. ``--baseline llama.cpp`` (llama-cpp-python, .gguf models)
 and ``--baseline hf`` run the same prompts in the same process, one request at a time.
 """
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 import datetime
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,10 +28,12 @@ SCHEMA = "pagoda.bench.latency/1"
 
 
 def add_parser(sub) -> None:
+    from pagoda.bench.shapes import add_shape_arg
     from pagoda.cli.engine_args import add_engine_args
 
     p = sub.add_parser("latency", help="latency of one batch: end-to-end, time to first token, inter-token",
                        description=__doc__.split("\n\n")[0])
+    add_shape_arg(p)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
@@ -40,6 +47,8 @@ def add_parser(sub) -> None:
                    help="also run llama.cpp (llama-cpp-python; .gguf models) or HF transformers on the same "
                    "prompts (repeat for both)")
     p.add_argument("--baseline-max-seconds", type=float, default=300.0, help="stop a baseline after this long")
+    p.add_argument("--bandwidth-gbs", type=float, help="device bandwidth for the floor, GB/s (default: measured "
+                   "here)")
     p.add_argument("--json", dest="json_path", metavar="FILE", help="write the result as JSON")
     add_engine_args(p)
     p.set_defaults(func=run)
@@ -65,11 +74,17 @@ def timed_batch(engine, prompts: list[list[int]], output_len: int) -> tuple[floa
 
 
 def run(args) -> int:
+    with tempfile.TemporaryDirectory(prefix="pagoda-bench-latency-") as tmp:  # --shape's config.json
+        return _run(args, tmp)
+
+
+def _run(args, tmp: str) -> int:
     import torch
 
     from pagoda import LLM, __version__
     from pagoda.bench.baselines import latency_summary
     from pagoda.bench.serve import percentiles
+    from pagoda.bench.shapes import shape_engine_args
     from pagoda.bench.throughput import _prompts as random_prompts
     from pagoda.cli.engine_args import engine_config_from_args
     from pagoda.speculative.stats import repeated_prompts
@@ -78,7 +93,7 @@ def run(args) -> int:
         prompts = random_prompts(num, length, vocab, seed)
         return prompts if args.prompt_period is None else repeated_prompts(prompts, args.prompt_period)
 
-    extra = {}
+    extra = shape_engine_args(args, tmp)
     if args.max_model_len is None:
         extra["max_model_len"] = args.input_len + args.output_len
     config = engine_config_from_args(args, **extra)
@@ -96,17 +111,22 @@ def run(args) -> int:
                                      args.output_len)
         batch_seconds.append(seconds)
         token_times += times
+    requests_ms = latency_summary(token_times)
+    floor = decode_floor(engine, args)
+    p50 = requests_ms["itl"]["p50"]
     result = {
         "schema": SCHEMA, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "pagoda_version": __version__, "torch_version": torch.__version__,
         "command": "pagoda " + " ".join(sys.argv[1:]), "device": engine.platform.describe(),
-        "platform": engine.platform.name, "dtype": engine.dtype, "model": engine.model_name,
+        "platform": engine.platform.name, "dtype": engine.dtype, "model": engine.model_name, "shape": args.shape,
         "workload": {"batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len,
                      "num_iters": args.num_iters, "num_iters_warmup": args.num_iters_warmup,
                      "step_tokens": engine.scheduler.max_num_batched_tokens},
         "engine_config": config.model_dump(mode="json"), "setup_seconds": setup_s,
         "batch_latency_s": {"runs": batch_seconds, **percentiles(batch_seconds)},
-        "requests_ms": latency_summary(token_times),
+        "requests_ms": requests_ms,
+        "floor": floor,
+        "fraction_of_floor": floor["itl_ms"] / p50 if floor and p50 else None,
         "output_tok_s": args.batch_size * args.output_len * len(batch_seconds) / sum(batch_seconds),
         "speculative": llm.get_stats().get("speculative"),
         "baselines": {},
@@ -127,6 +147,22 @@ def run(args) -> int:
         Path(args.json_path).write_text(json.dumps(result, indent=1))
         print(f"wrote {args.json_path}")
     return 0
+
+
+def decode_floor(engine, args) -> dict | None:
+    """The least inter-token latency of this batch (``roofline.decode_step_floor``); None where the engine's
+    model lives in other processes (tensor or pipeline parallel)."""
+    from pagoda.bench.roofline import Workload, decode_step_floor, measure_bandwidth, model_counts
+
+    runner = engine.runner
+    if not hasattr(runner, "kv_layer_bytes"):
+        return None
+    hf_config = engine.hf_config
+    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    bandwidth = args.bandwidth_gbs * 1e9 if args.bandwidth_gbs else measure_bandwidth(runner.device)
+    return decode_step_floor(Workload(args.batch_size, args.input_len, args.output_len),
+                             model_counts(runner.model, text_config), runner.kv_layer_bytes(), text_config,
+                             bandwidth, measured=not args.bandwidth_gbs)
 
 
 def _baseline(name, source, config, prompts, args, threads, device, dtype) -> dict:
@@ -165,7 +201,18 @@ def format_latency(res: dict) -> list[str]:
         f"  itl ms           {_ms(r['itl'])}",
         f"  e2e ms           {_ms(r['e2e'])}",
         f"  output tok/s     {res['output_tok_s']:,.1f}",
-    ] + speculative_lines(res.get("speculative"))
+    ] + _floor_lines(res) + speculative_lines(res.get("speculative"))
+
+
+def _floor_lines(res: dict) -> list[str]:
+    f = res.get("floor")
+    if not f:
+        return []
+    frac = res.get("fraction_of_floor")
+    return [f"  floor itl ms     {f['itl_ms']:.3f}  (weights {f['weight_bytes'] / 1e6:,.1f} MB + KV "
+            f"{f['kv_bytes'] / 1e6:,.1f} MB per step at {f['bandwidth'] / 1e9:,.1f} GB/s, "
+            f"{'measured' if f['bandwidth_measured'] else 'given'})",
+            "  floor / p50 itl  " + ("n/a (p50 itl is 0)" if frac is None else f"{frac:.3f}")]
 
 
 def format_baseline(name: str, res: dict) -> str:

@@ -38,15 +38,21 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
     return best
 
 
+def measure_bandwidth(device: torch.device) -> float:
+    """Device copy bandwidth measured here, bytes read + written per second: 1 GiB of bf16 copied on a
+    GPU, 32 MiB elsewhere (a CPU: a torch copy timed the same way), best of a few."""
+    gpu = device.type == "cuda"
+    numel = (1 << 29) if gpu else (1 << 24)
+    src = torch.empty(numel, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    seconds = _timed(lambda: dst.copy_(src), device, 10 if gpu else 3)
+    return 2 * numel * 2 / seconds
+
+
 def measure_ceilings(device: torch.device, dtype: torch.dtype) -> Ceilings:
     """Copy bandwidth and matmul rate measured here (about a second on a GPU)."""
     gpu = device.type == "cuda"
-    numel = (1 << 29) if gpu else (1 << 24)  # 1 GiB of bf16 on a GPU
-    buffers = [torch.empty(numel, dtype=torch.bfloat16, device=device).normal_()]
-    buffers.append(torch.empty_like(buffers[0]))
-    seconds = _timed(lambda: buffers[1].copy_(buffers[0]), device, 10 if gpu else 3)
-    bandwidth = 2 * numel * 2 / seconds
-    buffers.clear()
+    bandwidth = measure_bandwidth(device)
     n = 8192 if gpu else 1024
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
@@ -110,16 +116,38 @@ def _keys_seen(length: int, window: int | None) -> float:
     return w * (w + 1) / 2 + (length - w) * w
 
 
+def _kv_layers(kv_bytes_per_token, layers: int) -> list[tuple[float, int | None]]:
+    """[(bytes per token, window or None)] per attention layer, from either form ``workload_floor`` takes."""
+    if isinstance(kv_bytes_per_token, (list, tuple)):
+        return list(kv_bytes_per_token)
+    return [(kv_bytes_per_token / layers, None)] * layers
+
+
+def decode_kv_bytes(work: Workload, kv_layers) -> float:
+    """KV cache bytes the workload's decode steps read: step s (0..o-1) reads each sequence's p + s
+    cached tokens of every layer (at most the layer's window)."""
+    n, p, o = work.num_prompts, work.input_len, work.output_len
+    return sum(b * n * sum(p + s if w is None else min(p + s, w) for s in range(o)) for b, w in kv_layers)
+
+
+def decode_step_floor(work: Workload, counts: dict, kv_bytes_per_token, hf_config, bandwidth: float,
+                      measured: bool) -> dict:
+    """The floor of one decode step of ``work.num_prompts`` sequences (``pagoda bench latency``): every
+    weight read once plus the batch's KV cache at the mean context of the decode steps (input_len +
+    (output_len - 1) / 2, window layers capped), over ``bandwidth`` (bytes/s)."""
+    kv = decode_kv_bytes(work, _kv_layers(kv_bytes_per_token, hf_config.num_hidden_layers)) / work.output_len
+    step = counts["weight_bytes"] + kv
+    return {"itl_ms": 1000.0 * step / bandwidth, "step_bytes": step, "weight_bytes": counts["weight_bytes"],
+            "kv_bytes": kv, "bandwidth": bandwidth, "bandwidth_measured": measured}
+
+
 def workload_floor(work: Workload, counts: dict, kv_bytes_per_token, hf_config, ceilings: Ceilings) -> dict:
     """``kv_bytes_per_token``: bytes per token of the whole cache (every layer keeps every token), or
     [(bytes per token, window or None)] per attention layer."""
     n, p, o = work.num_prompts, work.input_len, work.output_len
     layers, heads, width = attention_dims(hf_config)
-    kv_layers = (kv_bytes_per_token if isinstance(kv_bytes_per_token, (list, tuple))
-                 else [(kv_bytes_per_token / layers, None)] * layers)
-    # decode step s (0..o-1) reads every weight and each sequence's p + s cached tokens (at most a window)
-    kv_bytes = sum(b * n * sum(p + s if w is None else min(p + s, w) for s in range(o)) for b, w in kv_layers)
-    decode_bytes = o * counts["weight_bytes"] + kv_bytes
+    kv_layers = _kv_layers(kv_bytes_per_token, layers)
+    decode_bytes = o * counts["weight_bytes"] + decode_kv_bytes(work, kv_layers)
     tokens = n * (p + o)
     # token at position c attends to c + 1 keys (at most a window): 2 FLOPs per multiply-add, QK and PV
     attn_flops = 2 * heads * width * n * sum(_keys_seen(p + o, w) for _, w in kv_layers) * layers / len(kv_layers)

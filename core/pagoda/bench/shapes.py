@@ -91,3 +91,21 @@ def write_shape(name: str, directory: str | Path) -> Path:
     data["architectures"] = SHAPES[name]["architectures"]
     (directory / "config.json").write_text(json.dumps(data, indent=1, default=str))
     return directory
+
+
+def add_shape_arg(parser, help_text: str = "random-weight model of a named shape, built on the device "
+                  "(instead of --model)") -> None:
+    """``--shape NAME`` (one of ``SHAPES``) on a benchmark's parser."""
+    parser.add_argument("--shape", choices=sorted(SHAPES), help=help_text)
+
+
+def shape_engine_args(args, directory: str | Path) -> dict:
+    """The engine config keys of ``--shape``: the shape's config.json written under ``directory`` (which
+    must outlive the engine), random weights (``load_format: dummy``), no tokenizer; {} without
+    ``--shape``. ``--model`` with ``--shape`` is a ConfigError."""
+    if not getattr(args, "shape", None):
+        return {}
+    if args.model:
+        raise ConfigError("give either --model or --shape, not both")
+    return dict(model=str(write_shape(args.shape, Path(directory) / args.shape)), load_format="dummy",
+                skip_tokenizer_init=True)

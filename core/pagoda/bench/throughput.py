@@ -24,13 +24,12 @@ SCHEMA = "pagoda.bench.throughput/1"
 
 
 def add_parser(sub) -> None:
-    from pagoda.bench.shapes import SHAPES
+    from pagoda.bench.shapes import add_shape_arg
     from pagoda.cli.engine_args import add_engine_args
 
     p = sub.add_parser("throughput", help="offline generation throughput (model dir or --shape)",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", choices=sorted(SHAPES), help="random-weight model of a named shape, built on the "
-                   "device (instead of --model)")
+    add_shape_arg(p)
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
@@ -126,18 +125,10 @@ def request_latencies(outputs) -> dict:
 
 
 def _build_config(args, tmp: str):
+    from pagoda.bench.shapes import shape_engine_args
     from pagoda.cli.engine_args import engine_config_from_args
 
-    extra = {}
-    if args.shape:
-        if args.model:
-            from pagoda.errors import ConfigError
-
-            raise ConfigError("give either --model or --shape, not both")
-        from pagoda.bench.shapes import write_shape
-
-        extra = dict(model=str(write_shape(args.shape, Path(tmp) / args.shape)), load_format="dummy",
-                     skip_tokenizer_init=True)
+    extra = shape_engine_args(args, tmp)
     if args.max_model_len is None:
         from pagoda.bench.image_workload import image_tokens_bound
 
