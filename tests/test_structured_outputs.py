@@ -210,3 +210,55 @@ def test_a_grammar_that_does_not_compile_is_the_requests_error(llm):
         llm.generate([[1, 2]], constrained(StructuredOutputsParams(regex="(")))
     assert info.value.field == "structured_outputs.regex"
     assert llm.get_stats()["num_waiting"] == 0
+
+
+def test_masks_filled_ahead_give_the_same_outputs(llm):
+    """The next step's masks are filled on a worker thread while the engine finishes its step
+    (pagoda.structured_outputs.mask_ahead): the sampler takes those rows, and the outputs are the
+    ones of masks filled in the step itself, for sampled and greedy rows, several grammars at once."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yy"]}},
+              "required": ["a", "b"], "additionalProperties": False}
+    params = [constrained(StructuredOutputsParams(json=schema, disable_any_whitespace=True), seed=s) for s in (1, 2)]
+    params += [constrained(StructuredOutputsParams(regex=r"(ab|cd){2,4}!"), temperature=0)]
+    prompts = [[9, 10 + i, 11] * 3 for i in range(len(params))]
+    engine = llm.llm_engine if hasattr(llm, "llm_engine") else llm.engine
+    ahead = engine.mask_ahead
+    used = ahead.rows_used
+    with_ahead = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert ahead.rows_used > used + 10  # most rows came from the fill ahead
+    engine.runner.sampler.mask_ahead = None
+    try:
+        in_step = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    finally:
+        engine.runner.sampler.mask_ahead = ahead
+    assert with_ahead == in_step
+
+
+def test_a_stale_or_failed_fill_ahead_is_filled_in_the_step(tokenizer):
+    """A row whose matcher accepted a token after the fill ahead started is filled again; a fill
+    ahead that raised leaves every row to the step's own fill."""
+    from pagoda.structured_outputs.mask_ahead import MaskAhead
+
+    manager = StructuredOutputManager("xgrammar", tokenizer, VOCAB, [tokenizer.eos_token_id])
+    grammar = manager.compile(StructuredOutputsParams(regex="ab+c"))
+    first, second = grammar.matcher(), grammar.matcher()
+    ahead, words = MaskAhead(), (VOCAB + 31) // 32
+    ahead.width = words
+    ahead.start([first, second])
+    first.accept(tokenizer.convert_tokens_to_ids("a"))  # (the engine waits first; here: made stale on purpose)
+    bitmask = torch.zeros(2, words, dtype=torch.int32)
+    missing = ahead.take(bitmask, [(first, 0), (second, 1)])
+    assert missing == [(first, 0)]
+    want = torch.zeros(1, words, dtype=torch.int32)
+    second.fill_bitmask(want, 0)
+    assert torch.equal(bitmask[1], want[0])
+
+    class Broken:
+        terminated, accepted = False, 0
+
+        def fill_bitmask(self, bitmask, row):
+            raise RuntimeError("no")
+
+    ahead.start([Broken()])
+    assert ahead.take(torch.zeros(1, words, dtype=torch.int32), [(second, 0)]) == [(second, 0)]
+    ahead.close()

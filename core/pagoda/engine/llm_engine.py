@@ -29,6 +29,7 @@ from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.selection import select_platform
 from pagoda.speculative.decoder import create_speculative_decoder
+from pagoda.structured_outputs.mask_ahead import MaskAhead
 from pagoda.tokenizer import load_tokenizer, tokenizer_location
 
 if TYPE_CHECKING:
@@ -108,6 +109,7 @@ class LLMEngine:
         self.controls = RequestControls(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids, config)
         sampler = self.runner.sampler
         sampler.stop_token_ids, sampler.processors = self.eos_token_ids, self.controls.processors
+        self.mask_ahead = sampler.mask_ahead = MaskAhead()  # grammar masks filled during the host work
         self.requests: dict[str, Request] = {}
         self._counter = itertools.count()
         self.mm_processor = self._multimodal_processor()  # None: a model that takes no images
@@ -298,6 +300,7 @@ class LLMEngine:
                         self._record_logprob(seq, sampled[seq.seq_id], lp)
                     except Exception as exc:
                         broken[seq.request_id] = exc
+        self.mask_ahead.wait()  # no matcher advances while a fill reads it
         self.controls.advance(seqs, sampled, broken)
         for rid, exc in broken.items():
             self.fail_request(rid, exc)
@@ -307,6 +310,8 @@ class LLMEngine:
             touched = self.scheduler.update(out, sampled, self.eos_token_ids)
         for seq in self.controls.ended(touched):  # its grammar is complete
             self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+        self.mask_ahead.start([s.grammar for s in seqs if s.grammar is not None and not s.is_finished
+                               and s.request_id not in broken])
         outputs = self._process_outputs(touched, finished_only, failed=list(broken))
         t3 = time.perf_counter()
         tm = self.times

@@ -37,8 +37,9 @@ class SampleResult:
 
 @dataclass
 class MaskCost:
-    """Grammar-mask work on the host: steps that had constrained rows, the rows, and the seconds spent
-    filling their bitmasks (the step's sampling waits for it)."""
+    """Grammar-mask work on the step's path: steps that had constrained rows, the rows, and the host
+    seconds the sampling waited for their bitmasks (filling them, or the rest of a fill started ahead
+    by ``pagoda.structured_outputs.mask_ahead``)."""
 
     steps: int = 0
     rows: int = 0
@@ -63,6 +64,7 @@ class Sampler:
         self.stop_token_ids: set[int] = set()  # the engine's EOS ids (min_tokens holds them back)
         self.processors: dict = {}  # logits processors the engine enabled, by name
         self.mask = MaskCost()  # what grammar masks cost the host (LLMEngine.get_stats reports it)
+        self.mask_ahead = None  # pagoda.structured_outputs.mask_ahead.MaskAhead, set by the engine
 
     def forget(self, seq_id: int) -> None:
         self._seq_generators.pop(seq_id, None)
@@ -135,12 +137,15 @@ class Sampler:
 
             t0 = time.perf_counter()
             bitmask = torch.full((len(rows), (work.shape[-1] + 31) // 32), -1, dtype=torch.int32)  # all allowed
+            todo = [(rows[j].grammar, j) for j in grammar]
+            if self.mask_ahead is not None:  # rows filled while the engine did its host work
+                todo = self.mask_ahead.take(bitmask, todo)
             try:  # all rows at once, on the grammar libraries' threads
-                fill_bitmasks([(rows[j].grammar, j) for j in grammar], bitmask)
+                fill_bitmasks(todo, bitmask)
             except Exception:  # row by row, to pin the failure on its request
-                for j in grammar:
+                for matcher, j in todo:
                     try:
-                        rows[j].grammar.fill_bitmask(bitmask, j)
+                        matcher.fill_bitmask(bitmask, j)
                     except Exception as exc:
                         failed[j] = exc
             for j in grammar:

@@ -25,14 +25,17 @@ MAX_JSON_WHITESPACE = 20
 
 
 class GrammarMatcher:
-    """One sequence's position in its grammar. ``terminated`` once a stop token was accepted."""
+    """One sequence's position in its grammar. ``terminated`` once a stop token was accepted;
+    ``accepted`` counts the tokens offered (a mask filled before the last of them is stale)."""
 
     def __init__(self, stop_token_ids: set[int]):
         self.stop_token_ids = stop_token_ids
         self.terminated = False
+        self.accepted = 0
 
     def accept(self, token: int) -> bool:
         """Advance by one sampled token; False if the grammar does not allow it."""
+        self.accepted += 1
         ok = self._accept(token)
         if ok and token in self.stop_token_ids:
             self.terminated = True
