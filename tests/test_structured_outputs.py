@@ -262,3 +262,18 @@ def test_a_stale_or_failed_fill_ahead_is_filled_in_the_step(tokenizer):
     ahead.start([Broken()])
     assert ahead.take(torch.zeros(1, words, dtype=torch.int32), [(second, 0)]) == [(second, 0)]
     ahead.close()
+
+
+def test_a_grammar_left_with_no_token_fails_only_its_request(llm, tokenizer):
+    """A grammar whose every token the request's own constraints forbid (allowed_token_ids) fails
+    that request, read in the same transfer as the batch's tokens; the others finish normally."""
+    from pagoda import SamplingParams
+
+    b = tokenizer.convert_tokens_to_ids("b")
+    stuck = constrained(StructuredOutputsParams(regex="a+"), allowed_token_ids=[b], temperature=0)
+    fine = constrained(StructuredOutputsParams(regex="(ab)+!"), temperature=0)
+    plain = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    outs = llm.generate([[3, 4, 5], [6, 7, 8], [9, 10, 11]], [stuck, fine, plain])
+    assert outs[0].outputs[0].finish_reason == "error" and "allows no token" in outs[0].error
+    assert re.fullmatch(r"(ab)+!", outs[1].outputs[0].text)
+    assert len(outs[2].outputs[0].token_ids) == 4

@@ -89,8 +89,9 @@ class Sampler:
         raw = (logits if len(special) == len(seqs) else
                logits.index_select(0, torch.tensor(special, device=logits.device))).float()  # [S, V]
         failed: dict[int, BaseException] = {}  # by position in ``rows``
-        work = self._processed(raw, rows, failed)
-        picked = self._pick(work, rows, failed)
+        blocked: list = []  # (grammar rows, device flags): rows whose grammar allows no token
+        work = self._processed(raw, rows, failed, blocked)
+        picked = self._pick(work, rows, failed, blocked)
         out: list = [None] * len(seqs)
         if any(s.params.logprobs is not None for s in rows):
             logp = torch.log_softmax(raw, dim=-1)
@@ -120,8 +121,10 @@ class Sampler:
         return {seq.seq_id: [(first + 1 + r, c, rank, top) for r, (c, rank, top)
                              in enumerate(zip(chosen.squeeze(1).tolist(), ranks, tops))]}
 
-    def _processed(self, raw: torch.Tensor, rows: list[Sequence], failed: dict) -> torch.Tensor:
-        """The rows' logits after their own processing and grammar masks (a copy when anything applies)."""
+    def _processed(self, raw: torch.Tensor, rows: list[Sequence], failed: dict, blocked: list) -> torch.Tensor:
+        """The rows' logits after their own processing and grammar masks (a copy when anything applies).
+        ``blocked`` receives (grammar rows, device flags of the rows left with no allowed token), read
+        with the picked tokens in one transfer."""
         needs = [j for j, s in enumerate(rows) if s.params.needs_processing]
         grammar = [j for j, s in enumerate(rows) if s.grammar is not None]
         if not needs and not grammar:
@@ -154,21 +157,25 @@ class Sampler:
                     bitmask[j, token // 32] |= _bit(token % 32)
             self.mask.add(len(grammar), time.perf_counter() - t0)  # host time, before the device applies it
             apply_bitmask(work, bitmask)
-            # one device-to-host read for all rows: a row whose every token is forbidden cannot go on
             index = torch.tensor(grammar, device=work.device)
-            blocked = torch.isneginf(work.index_select(0, index)).all(dim=1).tolist()
-            for j, none_left in zip(grammar, blocked):
-                if none_left and j not in failed:
-                    failed[j] = RuntimeError("the grammar (with this request's other constraints) allows no token")
+            blocked.append((grammar, torch.isneginf(work.index_select(0, index)).all(dim=1)))
         return work
 
-    def _pick(self, work: torch.Tensor, rows: list[Sequence], failed: dict) -> list[int]:
+    def _pick(self, work: torch.Tensor, rows: list[Sequence], failed: dict, blocked: list) -> list[int]:
         params = [s.params for s in rows]
         random_rows = [j for j, p in enumerate(params) if not p.greedy]
         noise = self._noise(work.shape[-1], rows, random_rows, failed)
         try:
-            return _select(work, params, random_rows, noise).tolist()
+            tokens = _select(work, params, random_rows, noise)
+            if not blocked:
+                return tokens.tolist()
+            # one device-to-host read: the tokens and which constrained rows had no token left
+            both = torch.cat([tokens, blocked[0][1].to(tokens.dtype)]).tolist()
+            _fail_blocked(blocked[0][0], both[len(rows):], failed)
+            return both[:len(rows)]
         except Exception:  # pin the failure down: the same selection, one row at a time
+            if blocked:
+                _fail_blocked(blocked[0][0], blocked[0][1].tolist(), failed)
             picked = [0] * len(rows)
             for j in range(len(rows)):
                 if j in failed:
@@ -197,6 +204,13 @@ class Sampler:
                 failed[j] = exc
                 noise[k].fill_(1.0)
         return noise
+
+
+def _fail_blocked(grammar_rows: list[int], none_left: list, failed: dict) -> None:
+    """A row whose every token is forbidden (its grammar with its other constraints) cannot go on."""
+    for j, empty in zip(grammar_rows, none_left):
+        if empty and j not in failed:
+            failed[j] = RuntimeError("the grammar (with this request's other constraints) allows no token")
 
 
 def _select(logits: torch.Tensor, params: list, random_rows: list[int], noise: torch.Tensor | None) -> torch.Tensor:
