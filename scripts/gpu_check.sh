@@ -9,6 +9,9 @@
 #
 # Before a lent-GPU call, on the development machine (once):
 #   mkdir -p .whl && cp /work/shared/gpu-wheels/*.whl .whl/     # .whl/ is git-ignored; carry it
+#   (tests/test_structured_outputs.py and test_server_clients.py also need jsonschema, which the GPU machine
+#   lacks: pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64
+#   -d .whl jsonschema jsonschema-specifications referencing rpds-py attrs)
 # Settings (environment variables):
 #   SHAPES="qwen3-0.6b phi3-mini qwen3-30b-a3b deepseek-v3-4l gemma3-1b gpt-oss-20b"   shapes to benchmark
 #   NUM_PROMPTS=256 INPUT_LEN=512 OUTPUT_LEN=256                  the workload
