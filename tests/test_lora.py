@@ -108,6 +108,10 @@ def test_decode_graph_inputs_carry_each_rows_adapter_slot(models, prompts):
     assert graphs.np64[2 + graphs.num_groups, :4].tolist() == want
     order = graphs.np64[3 + graphs.num_groups, :4].tolist()
     assert sorted(order) == [0, 1, 2, 3] and [want[i] for i in order] == sorted(want)
+    tiles = graphs.host_tiles.numpy()  # one tile per adapter row here, then empty tiles
+    adapted = sorted(w for w in want if w >= 0)
+    assert tiles[2, :len(adapted)].tolist() == adapted and tiles[1, :len(adapted)].tolist() == [1] * len(adapted)
+    assert not tiles[1, len(adapted):graphs.tile_width].any()
     engine.abort_request([f"r{i}" for i in range(len(names))])
 
 
@@ -227,3 +231,26 @@ def test_bench_throughput_with_adapters(models, tmp_path, capsys):
     res = json.loads(out.read_text())
     assert res["engine_config"]["enable_lora"] and res["engine_config"]["max_loras"] == 3
     assert res["best"]["output_tokens"] == 16
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_token_tiles_cover_every_adapted_token_once(seed):
+    """The kernels' work list: tiles of at most TILE_TOKENS consecutive tokens in slot order, each of
+    one adapter, covering every token with an adapter exactly once and no base token; padding adds
+    empty tiles up to max_tiles."""
+    import numpy as np
+    from pagoda.lora.ops import TILE_TOKENS, max_tiles, token_tiles
+
+    rng = np.random.default_rng(seed)
+    slots = rng.integers(-1, 5, size=int(rng.integers(0, 90)))
+    if seed == 0:
+        slots = np.repeat(np.array([3, -1, 0]), 40)  # long runs: several whole tiles and a partial one
+    sorted_slots = slots[np.argsort(slots, kind="stable")]
+    tiles = token_tiles(sorted_slots, pad_to=max_tiles(len(slots), 5))
+    assert tiles.shape == (3, max_tiles(len(slots), 5))
+    covered = []
+    for start, length, slot in tiles.T:
+        assert 0 <= length <= TILE_TOKENS
+        covered += list(range(start, start + length))
+        assert (sorted_slots[start:start + length] == slot).all()
+    assert sorted(covered) == [i for i, s in enumerate(sorted_slots) if s >= 0]

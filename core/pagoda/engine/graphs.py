@@ -23,6 +23,7 @@ import torch
 
 from pagoda.engine.scheduler import SchedulerOutput
 from pagoda.forward_context import AttentionMetadata, ForwardContext, prepared_context, set_forward_context
+from pagoda.lora.ops import max_tiles, token_tiles
 
 logger = logging.getLogger("pagoda")
 
@@ -50,6 +51,10 @@ class DecodeGraphs:
         # int32 rows: seq lens, token seq lens
         self.lora = runner.lora
         self.host64 = host((2 + g + 2 * (self.lora is not None), b), torch.int64)
+        # (enable_lora) the LoRA kernels' tiles (pagoda.lora.ops.token_tiles), padded per bucket
+        self.tile_width = max_tiles(b, self.lora.max_loras) if self.lora is not None else 0
+        self.host_tiles = host((3, self.tile_width), torch.int64)
+        self.dev_tiles = torch.zeros(3, self.tile_width, dtype=torch.int64, device=dev)
         self.host32 = host((2, b), torch.int32)
         self.host_tables = host((g, w, b), torch.int32)  # [group, block index, row]
         self.dev64 = torch.zeros(self.host64.shape[0], b, dtype=torch.int64, device=dev)
@@ -128,7 +133,10 @@ class DecodeGraphs:
         h64[:2, n:bucket] = 0
         h64[2:, n:bucket] = -1
         if self.lora is not None:  # padding rows (slot -1) sort first with the base rows
-            h64[3 + self.num_groups, :bucket] = np.argsort(h64[2 + self.num_groups, :bucket], kind="stable")
+            order = np.argsort(h64[2 + self.num_groups, :bucket], kind="stable")
+            h64[3 + self.num_groups, :bucket] = order
+            width = max_tiles(bucket, self.lora.max_loras)
+            self.host_tiles.numpy()[:, :width] = token_tiles(h64[2 + self.num_groups, :bucket][order], pad_to=width)
         h32[0, :n] = pos + 1
         h32[0, n:bucket] = 1
         h32[1, :n] = pos + 1  # a decoding sequence's length is its computed tokens + the new one
@@ -147,6 +155,8 @@ class DecodeGraphs:
         self.dev64.copy_(self.host64, non_blocking=True)
         self.dev32.copy_(self.host32, non_blocking=True)
         self.dev_tables[:, :rows].copy_(self.host_tables[:, :rows], non_blocking=True)
+        if self.tile_width:
+            self.dev_tiles.copy_(self.host_tiles, non_blocking=True)
         if patch is not None:
             self.dev64[0].index_copy_(0, patch[0], patch[1])
         self.copied = self.runner.platform.record_event()
@@ -176,8 +186,10 @@ class DecodeGraphs:
             if self.lora is not None:  # the LoRA update is always captured; base rows have slot -1
                 from pagoda.lora.manager import LoRAMapping
 
+                self.dev_tiles.zero_()  # no tiles: the capture runs no adapter
                 lora = LoRAMapping(self.dev64[2 + self.num_groups, :bucket], True,
-                                   self.dev64[3 + self.num_groups, :bucket])
+                                   self.dev64[3 + self.num_groups, :bucket],
+                                   self.dev_tiles[:, :max_tiles(bucket, self.lora.max_loras)])
             ctx = prepared_context(meta, runner.backends, token_seq_lens=token_seq_lens, group_tables=groups,
                                    lora=lora)
 

@@ -46,9 +46,9 @@ class LoRALinearMethod(QuantMethod):
             return y
         shape = y.shape
         x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, shape[-1])
-        slots, order = mapping.token_slots, mapping.token_order
-        h = kernels.get_op("lora_shrink")(x2, self.a_stack, slots, order)  # [P, T, R] partial sums
-        return kernels.get_op("lora_expand")(y2, h, self.b_stack, slots, order).reshape(shape)
+        slots, order, tiles = mapping.token_slots, mapping.token_order, mapping.tiles
+        h = kernels.get_op("lora_shrink")(x2, self.a_stack, slots, order, tiles)  # [P, T, R] partial sums
+        return kernels.get_op("lora_expand")(y2, h, self.b_stack, slots, order, tiles).reshape(shape)
 
     # -- slots
     def clear_slot(self, slot: int) -> None:

@@ -19,6 +19,7 @@ from torch import nn
 
 from pagoda.kernels.host_upload import upload
 from pagoda.lora.layers import LoRALinearMethod, install_lora, shard_lora_piece
+from pagoda.lora.ops import token_tiles
 from pagoda.lora.peft_format import LoRAAdapter, LoRAError, load_peft_adapter
 from pagoda.lora.request import LoRARequest
 
@@ -31,9 +32,10 @@ class LoRAMapping:
 
     token_slots: torch.Tensor  # [T] int64 on the device: the slot of each token's adapter, -1 for the base
     active: bool  # any token uses an adapter (else the layers skip the update)
-    # [T] int64 on the device: the tokens sorted by slot (stable), so that a kernel's tile of
-    # consecutive entries mostly shares one adapter; None: the kernels take the tokens in order
+    # the kernels' work list (pagoda.lora.ops): [T] int64 tokens sorted by slot (stable) and [3, NT]
+    # int64 tiles of them that share one adapter; None: the kernels work them out themselves
     token_order: torch.Tensor | None = None
+    tiles: torch.Tensor | None = None
 
 
 class LoRAManager:
@@ -142,5 +144,8 @@ class LoRAManager:
             return None
         counts = np.fromiter((it.num_new_tokens for it in out.scheduled), np.int64, len(out.scheduled))
         token_slots = np.repeat(per_seq, counts)
-        both = upload(np.stack([token_slots, np.argsort(token_slots, kind="stable")]), self.device)
-        return LoRAMapping(both[0], True, both[1])
+        order = np.argsort(token_slots, kind="stable")
+        tiles = token_tiles(token_slots[order])
+        t = len(token_slots)
+        packed = upload(np.concatenate([token_slots, order, tiles.ravel()]), self.device)  # one copy
+        return LoRAMapping(packed[:t], True, packed[t:2 * t], packed[2 * t:].view(3, -1))

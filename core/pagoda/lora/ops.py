@@ -6,18 +6,24 @@ model). Adapter weights of one layer are stacked over slots:
   a_stack [S, R, K]  (the rank dim R holds every fused piece's A, piece i at rows i*r_max..)
   b_stack [S, N, R]  (block-diagonal over pieces; the scaling is folded in)
 shrink:  h[p, t] = partial sums of x[t] @ a_stack[slot[t]].T over P slices of K
-                                                   [T, K] -> [P, T, R] (float32; P >= 1)
+                                                   [T, K] -> [P, T, R] (float32; P >= 1;
+                                                   a base token's rows are unspecified)
 expand:  y[t] += (sum over p of h[p, t]) @ b_stack[slot[t]].T     adds into y [T, N]
 The partial sums let a kernel split K over programs when the batch is small (a decode step)
 without an extra reduction launch: the expand adds them up as it reads them. This reference
-returns P = 1. ``token_order`` (optional, [T] int64): the tokens sorted by slot, so that a
-kernel's tile of consecutive entries mostly shares one adapter; the result does not depend on it.
+returns P = 1. Optional, for kernels (the result does not depend on them): ``token_order`` [T]
+int64, the tokens sorted by slot, and ``tiles`` [3, NT] int64 (``token_tiles``): runs of at most
+TILE_TOKENS sorted tokens that share one adapter, as (start in the order, length, slot), so that
+each kernel program multiplies one adapter's weights (SGMV); zero-length tiles pad a fixed grid.
 Gather-based (BGMV-style): no host synchronisation, so a captured graph replays it.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+TILE_TOKENS = 16  # tokens per tile (the smallest row count of a tensor-core product)
 
 CHUNK_ELEMENTS = 1 << 24  # gathered weight elements per chunk of tokens (bounds the temporary)
 
@@ -28,8 +34,36 @@ def _chunks(num_tokens: int, per_token: int):
         yield start, min(num_tokens, start + step)
 
 
+def max_tiles(num_tokens: int, num_slots: int) -> int:
+    """Tiles ``token_tiles`` can make of ``num_tokens`` tokens over ``num_slots`` adapters: every
+    adapter's run may end in a partial tile."""
+    return -(-num_tokens // TILE_TOKENS) + num_slots
+
+
+def token_tiles(sorted_slots: np.ndarray, pad_to: int | None = None) -> np.ndarray:
+    """[3, NT] int64 (start, length, slot) tiles over the slots of the tokens in slot order
+    (-1, the base, makes no tile); ``pad_to`` appends zero-length tiles up to that many."""
+    n = len(sorted_slots)
+    change = np.flatnonzero(np.diff(sorted_slots)) + 1
+    starts = np.concatenate([[0], change]).astype(np.int64) if n else np.zeros(0, np.int64)
+    ends = np.concatenate([change, [n]]).astype(np.int64) if n else np.zeros(0, np.int64)
+    keep = sorted_slots[starts] >= 0 if n else np.zeros(0, bool)
+    starts, ends = starts[keep], ends[keep]
+    counts = -(-(ends - starts) // TILE_TOKENS)
+    segment = np.repeat(np.arange(len(starts)), counts)
+    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    tile_start = starts[segment] + within * TILE_TOKENS
+    tiles = np.stack([tile_start, np.minimum(TILE_TOKENS, ends[segment] - tile_start),
+                      np.asarray(sorted_slots, np.int64)[starts][segment]]).astype(np.int64)
+    if pad_to is not None:
+        if tiles.shape[1] > pad_to:
+            raise ValueError(f"{tiles.shape[1]} LoRA tiles, more than the {pad_to} provided for")
+        tiles = np.concatenate([tiles, np.zeros((3, pad_to - tiles.shape[1]), np.int64)], axis=1)
+    return tiles
+
+
 def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, token_slots: torch.Tensor,
-                token_order: torch.Tensor | None = None) -> torch.Tensor:
+                token_order: torch.Tensor | None = None, tiles: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K], a_stack [S, R, K], token_slots [T] (int, -1 = none) -> [1, T, R] float32."""
     t = x.shape[0]
     out = torch.zeros(t, a_stack.shape[1], dtype=torch.float32, device=x.device)
@@ -43,7 +77,7 @@ def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, token_slots: torch.Tenso
 
 
 def lora_expand(y: torch.Tensor, h: torch.Tensor, b_stack: torch.Tensor, token_slots: torch.Tensor,
-                token_order: torch.Tensor | None = None) -> torch.Tensor:
+                token_order: torch.Tensor | None = None, tiles: torch.Tensor | None = None) -> torch.Tensor:
     """y [T, N] (updated in place and returned), h [P, T, R] float32 partial sums, b_stack [S, N, R]."""
     t = y.shape[0]
     h = h.sum(0)

@@ -337,19 +337,30 @@ def bench_decode_gemms(rows: list, tokens: int = 256) -> None:
 def bench_lora(rows: list, tokens: int, adapters: int, k: int = 1024, n: int = 4096, rank: int = 48) -> None:
     """The LoRA update of one fused qkv layer (Qwen3-0.6B, 3 pieces of rank 16) for a decode batch whose
     rows cycle over ``adapters`` slots, against the layer's base GEMM."""
+    from pagoda.lora.ops import token_tiles
+
     from pagoda_cuda.ops.lora import lora_expand, lora_shrink
 
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     a = torch.randn(adapters, rank, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(adapters, n, rank, device="cuda", dtype=torch.bfloat16)
-    slots = torch.arange(tokens, device="cuda") % adapters
+    slots = torch.arange(tokens) % adapters
     order = torch.argsort(slots, stable=True)
+    tiles = torch.from_numpy(token_tiles(slots[order].numpy())).cuda()
+    slots, order = slots.cuda(), order.cuda()
     y = torch.nn.functional.linear(x, w)
     shape = f"T={tokens} K={k} N={n} R={rank} adapters={adapters}"
-    _timed(rows, "lora shrink+expand", shape, "slot order",
-           lambda: lora_expand(y, lora_shrink(x, a, slots, order), b, slots, order),
+    _timed(rows, "lora shrink+expand", shape, f"{tiles.shape[1]} tiles",
+           lambda: lora_expand(y, lora_shrink(x, a, slots, order, tiles), b, slots, order, tiles),
            nbytes=(a.numel() + b.numel() + x.numel() + 2 * y.numel()) * 2)
+    try:  # replayed from a CUDA graph, as in decode steps: no Python launch cost
+        t = triton.testing.do_bench_cudagraph(
+            lambda: lora_expand(y, lora_shrink(x, a, slots, order, tiles), b, slots, order, tiles)) / 1e3
+        rows.append({"kernel": "lora shrink+expand", "shape": shape, "config": "CUDA graph", "seconds": t})
+    except Exception as exc:
+        rows.append({"kernel": "lora shrink+expand", "shape": shape, "config": "CUDA graph",
+                     "error": str(exc).splitlines()[0][:120]})
     _timed(rows, "linear (cuBLAS)", shape, "the base GEMM", lambda: torch.nn.functional.linear(x, w),
            nbytes=(w.numel() + x.numel() + y.numel()) * 2)
 

@@ -1,6 +1,7 @@
 """Triton LoRA shrink/expand against the core's torch reference (pagoda.lora.ops): a batch that mixes
 slots and base rows (-1), ranks padded in the stack, widths that are not block multiples, tokens taken
-in slot order or as they lie, K split into partial sums (the kernels' own choice) or not."""
+given their work list (tokens in slot order, tiles of one adapter, padded with empty tiles as the decode
+graphs pass them) or working it out, K split into partial sums (the kernels' own choice) or not."""
 
 import pytest
 import torch
@@ -20,14 +21,19 @@ def _case(device, dtype, t, k, n, r, s, seed=0, segments=0, ordered=True):
     slots = torch.randint(-1, s, (t,), generator=gen)
     if segments:  # prefill-like: runs of one adapter, as the chunks of sequences lie in the batch
         slots = slots.repeat_interleave(segments)[:t]
-    order = torch.argsort(slots, stable=True).to(device) if ordered else None
+    order = tiles = None
+    if ordered:  # as the engine passes them: built on the host, padded to a fixed number of tiles
+        host_order = torch.argsort(slots, stable=True)
+        tiles = torch.from_numpy(ref.token_tiles(slots[host_order].numpy(), pad_to=ref.max_tiles(t, s))).to(device)
+        order = host_order.to(device)
     slots = slots.to(device)
-    h = lora_shrink(x, a, slots, order)
+    h = lora_shrink(x, a, slots, order, tiles)
     want_h = ref.lora_shrink(x, a, slots)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     assert h.dim() == 3 and h.shape[1:] == want_h.shape[1:]
-    torch.testing.assert_close(h.sum(0), want_h.sum(0), **tol)
-    got = lora_expand(y.clone(), h, b, slots, order)
+    adapted = slots >= 0  # (a base token's h is never written nor read)
+    torch.testing.assert_close(h.sum(0)[adapted], want_h.sum(0)[adapted], **tol)
+    got = lora_expand(y.clone(), h, b, slots, order, tiles)
     want = ref.lora_expand(y.clone(), want_h, b, slots)
     torch.testing.assert_close(got.float(), want.float(), **tol)
     base_rows = slots < 0
