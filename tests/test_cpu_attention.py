@@ -13,11 +13,12 @@ class _Layer:
         self.spec, self.kv_scales = spec, None
 
 
-def _batch(seqs, block_size, num_blocks, scatter, nk, hs, gen):
+def _batch(seqs, block_size, num_blocks, scatter, nk, hs, gen, fill=float("nan")):
     """seqs: (context, new tokens) per sequence, decodes (new == 1, context > 0) first. Blocks of each
     sequence are consecutive unless ``scatter``. Returns metadata and a cache holding the contexts,
-    NaN in every slot never written (as an unzeroed CPU cache may hold)."""
-    cache = torch.full((2, num_blocks, block_size, nk, hs), float("nan"))
+    ``fill`` in every slot never written (an unzeroed CPU cache holds whatever the memory held before:
+    NaN, inf, or a finite value so large that a score overflows)."""
+    cache = torch.full((2, num_blocks, block_size, nk, hs), fill)
     perm = torch.randperm(num_blocks, generator=gen).tolist() if scatter else list(range(num_blocks))
     tables, slots, qsl, lens, nxt = [], [], [0], [], 0
     for ctx, new in seqs:
@@ -41,6 +42,7 @@ def _batch(seqs, block_size, num_blocks, scatter, nk, hs, gen):
     return meta, cache
 
 
+@pytest.mark.parametrize("fill", [float("nan"), float("inf"), 3e38])
 @pytest.mark.parametrize("scatter", [False, True])
 @pytest.mark.parametrize("window", [None, 24])
 @pytest.mark.parametrize("seqs", [
@@ -49,12 +51,12 @@ def _batch(seqs, block_size, num_blocks, scatter, nk, hs, gen):
     [(0, 70)],  # a prompt in one chunk
     [(40, 1), (0, 33), (48, 21)],  # a decode, a fresh prompt, a chunk after a cached prefix
 ])
-def test_cpu_sdpa_equals_the_reference(seqs, window, scatter):
+def test_cpu_sdpa_equals_the_reference(seqs, window, scatter, fill):
     gen = torch.Generator().manual_seed(0)
     nq, nk, hs, bs = 6, 2, 16, 8
     spec = AttentionSpec(kind="mha", num_heads=nq, num_kv_heads=nk, head_size=hs, scale=hs ** -0.5,
                          sliding_window=window)
-    meta, cache = _batch(seqs, bs, 64, scatter, nk, hs, gen)
+    meta, cache = _batch(seqs, bs, 64, scatter, nk, hs, gen, fill)
     t = meta.num_tokens
     q = torch.randn(t, nq * hs, generator=gen)
     k = torch.randn(t, nk * hs, generator=gen)
@@ -96,3 +98,25 @@ def test_cpu_sdpa_is_chosen_on_the_cpu():
     spec = AttentionSpec(kind="mha", num_heads=4, num_kv_heads=2, head_size=16, scale=0.25)
     assert select_attention_backend("auto", cpu, "float32", spec).name == "cpu_sdpa"
     assert select_attention_backend("torch", cpu, "float32", spec).name == "torch"
+
+
+def test_generation_does_not_depend_on_what_the_cache_memory_held(tmp_path):
+    """The CPU cache is not zeroed, so in a long-lived process it starts with whatever the memory held
+    (it once made CI flaky: a huge finite key in a padding slot overflowed a score to inf, and the mask
+    turned it into NaN). Greedy outputs of batched decodes of different lengths stay the same when every
+    cache slot starts as NaN, inf or 3e38."""
+    from pagoda import LLM, SamplingParams
+    from pagoda.testing import make_tiny_checkpoint, random_prompts
+
+    path = make_tiny_checkpoint("llama", tmp_path, seed=3, vocab_size=260, hidden_size=64, intermediate_size=128,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                max_position_embeddings=256)
+    prompts = random_prompts(3, 260, 6, 20, seed=6)
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    llm = LLM(model=str(path), device="cpu", dtype="float32", block_size=8, num_kv_blocks=64,
+              enable_prefix_caching=False)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    for fill in (float("nan"), float("inf"), 3e38):
+        for cache in llm.engine.runner.kv_caches:
+            cache.fill_(fill)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == want, fill

@@ -143,11 +143,14 @@ class CpuSdpaAttention(AttentionBackend):
         blocks = data.decode_blocks
         width = data.decode_mask.shape[-1]
 
+        padding = ~data.decode_mask[:, 0, 0, :]  # [B, width]: slots past each sequence's length
+
         def gather(cache):
-            rows = cache.index_select(0, blocks.flatten())
-            # slots past a sequence's length were never written (the CPU cache is not zeroed): a NaN
-            # there would survive the mask (NaN + -inf), so padding is made finite
-            return torch.nan_to_num_(rows, 0.0, 0.0, 0.0).view(nd, width, *cache.shape[2:]).transpose(1, 2)
+            rows = cache.index_select(0, blocks.flatten()).view(nd, width, *cache.shape[2:])
+            # slots past a sequence's length were never written (the CPU cache is not zeroed, and reused
+            # memory holds anything): a NaN, or a huge key whose score overflows to inf, would survive
+            # the mask (inf - inf = NaN), so padding is zeroed
+            return rows.masked_fill_(padding[:, :, None, None], 0.0).transpose(1, 2)
 
         keys, values = gather(kv_cache[0]), gather(kv_cache[1])
         res = F.scaled_dot_product_attention(q[:nd, :, None, :], keys, values, attn_mask=data.decode_mask,
