@@ -129,6 +129,16 @@ def test_gguf_config_and_tokenizer_load_without_transformers():
     assert proc.returncode == 0, proc.stderr
 
 
+def test_the_engine_on_the_default_model_runs_without_transformers():
+    """The whole engine (LLM() and a generation) on the embedded GGUF model imports no transformers: the
+    grammar libraries' tokenizer view, which needs it, is built only when a grammar is first asked for."""
+    code = ("import sys; from pagoda import LLM, SamplingParams; llm = LLM(); "
+            "out = llm.generate(['Hi'], SamplingParams(max_tokens=2)); assert out[0].outputs[0].token_ids; "
+            "assert not [m for m in sys.modules if m.startswith('transformers')], 'transformers was imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_gguf_tokenizer_matches_transformers(packed):
     tok = packed.tokenizer
     hf = tok.hf  # the transformers tokenizer of the same vocabulary

@@ -11,6 +11,7 @@ a large vocabulary: it happens on first use, or in the background from ``warm_up
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import threading
 from collections import OrderedDict
@@ -40,8 +41,8 @@ class StructuredOutputManager:
         if backend not in ("auto", *BACKENDS):
             raise ConfigError(f"structured_outputs_backend {backend!r} is not one of auto, {', '.join(BACKENDS)}")
         self.choice = backend
-        # the grammar libraries read transformers' tokenizer class (a GGUF model's light wrapper builds it)
-        self.tokenizer = getattr(tokenizer, "hf", tokenizer) if tokenizer is not None else None
+        self._tokenizer = tokenizer
+        self.has_tokenizer = tokenizer is not None
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagoda-grammar")
@@ -51,10 +52,16 @@ class StructuredOutputManager:
         self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
 
+    @functools.cached_property
+    def tokenizer(self):
+        """What the grammar libraries read: transformers' tokenizer class. A GGUF model's light
+        wrapper builds it on first use (it imports transformers: only when a grammar is asked for)."""
+        return getattr(self._tokenizer, "hf", self._tokenizer)
+
     def warm_up(self) -> None:
         """Start building the backend's view of the tokenizer in the background (a server does
         this at start, so that its first constrained request does not wait for it)."""
-        if self.tokenizer is not None:
+        if self.has_tokenizer:
             self._backend_future("xgrammar" if self.choice == "auto" else self.choice)
 
     # ------------------------------------------------------------------ backends
@@ -77,7 +84,7 @@ class StructuredOutputManager:
     def compile(self, params: StructuredOutputsParams, field: str | None = None) -> CompiledGrammar:
         """The compiled grammar of ``params`` (from the cache when seen before). A grammar that
         does not compile raises RequestError naming ``field`` (default ``structured_outputs.<kind>``)."""
-        if self.tokenizer is None:
+        if not self.has_tokenizer:
             raise RequestError("structured outputs need the model's tokenizer (skip_tokenizer_init is set)",
                                field=field or "structured_outputs")
         spec = params.spec()
