@@ -6,10 +6,13 @@ outside the interpreter cannot call one decorated inside it).
 """
 
 import os
+import tempfile
 
 import torch
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# GGUF packed-weight caches (pagoda_quant.methods.gguf_cache) of the test run, not the user's ~/.cache
+os.environ.setdefault("PAGODA_CACHE_DIR", tempfile.mkdtemp(prefix="pagoda-test-cache-"))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -291,6 +291,12 @@ class QuantConfig:
     # passes tensor ``name`` (HF naming) as its raw block rows, uint8 [rows, bytes per row],
     # instead of dequantizing it (a method that computes on the file's own blocks).
     gguf_keeps_raw: Any = None
+    # Optional: ``prepare_model(model)`` after the model is built, before its weights load (e.g. to give
+    # the embedding and LM head a quant_method); ``begin_loading(source)`` with the ModelSource about to
+    # load; ``finish_loading(model)`` after every layer processed its weights (e.g. a cache's write).
+    prepare_model: Any = None
+    begin_loading: Any = None
+    finish_loading: Any = None
 
 
 class Quantizer:

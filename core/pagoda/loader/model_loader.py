@@ -115,6 +115,9 @@ def build_model(config: EngineConfig, source: ModelSource, hf_config: Any, dtype
     if pooling:
         cls = as_pooling_model(cls, hf_config, config)
     quant_config = resolve_quant_config(hf_config, config, source, torch.device(device))
+    begin = getattr(quant_config, "begin_loading", None)
+    if begin is not None and config.load_format != "dummy":  # e.g. the GGUF method opens its packed-weight cache
+        begin(source)
     with torch.device(device), default_dtype(dtype):
         model = cls(hf_config, quant_config=quant_config, prefix="")
         prepare = getattr(quant_config, "prepare_model", None)
@@ -142,6 +145,9 @@ def build_model(config: EngineConfig, source: ModelSource, hf_config: Any, dtype
             method.process_weights_after_loading(module)
             if on_cpu:
                 _trim_heap()  # each layer's transient decoding memory goes before the next layer's
+    finish = getattr(quant_config, "finish_loading", None)
+    if finish is not None:
+        finish(model)
     model.eval()
     model.requires_grad_(False)
     if on_cpu:

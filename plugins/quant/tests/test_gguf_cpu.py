@@ -102,3 +102,39 @@ def test_mixed_fused_layer_and_unsupported_types_fall_back_to_float(tmp_path):
     ids = [5, 80, 120, 33, 9]
     a, b = packed.prompt_logits(ids), reference.prompt_logits(ids)
     assert float((a - b).abs().max()) < 0.05 * float(b.abs().max())
+
+
+def test_packed_planes_are_cached_and_mapped_on_the_next_load(k_quant_file, tmp_path, monkeypatch, caplog):
+    """The first load writes the file's packed planes to the cache; the next maps them (nothing packed,
+    the file not rewritten) and generates the same tokens; a broken cache file is packed again and
+    replaced; PAGODA_GGUF_CACHE=0 writes nothing."""
+    from pagoda_quant.methods import gguf_cache
+
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path / "cache"))
+    kw = dict(model=str(k_quant_file), device="cpu", max_model_len=128, num_kv_blocks=32, block_size=8)
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = ["hello there", "the cat in the hat"]
+    packed_calls = []
+    original = gguf_cache.PackedCache.put
+    monkeypatch.setattr(gguf_cache.PackedCache, "put", lambda self, *a: (packed_calls.append(a[0]), original(self, *a)))
+
+    first = [o.outputs[0].token_ids for o in LLM(**kw).generate(prompts, greedy)]
+    files = list((tmp_path / "cache" / "gguf-packed").glob("*.pt"))
+    assert len(files) == 1 and packed_calls  # every packed layer, the LM head included
+    assert "lm_head" in packed_calls
+    written = files[0].stat().st_mtime_ns
+    packed_calls.clear()
+    llm = LLM(**kw)
+    assert not packed_calls and files[0].stat().st_mtime_ns == written  # mapped, nothing packed or written
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == first
+
+    files[0].write_bytes(b"not a cache")
+    with caplog.at_level("WARNING", logger="pagoda"):
+        again = [o.outputs[0].token_ids for o in LLM(**kw).generate(prompts, greedy)]
+    assert again == first and "could not be read" in caplog.text and packed_calls
+    assert files[0].stat().st_size > 1000  # replaced by a good one
+
+    monkeypatch.setenv("PAGODA_GGUF_CACHE", "0")
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path / "off"))
+    LLM(**kw)
+    assert not (tmp_path / "off").exists()

@@ -14,6 +14,8 @@ zero point -m/d, exact in float32) on the INT4 kernels; other types are dequanti
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from pagoda.errors import ModelLoadError
@@ -22,6 +24,8 @@ from pagoda_quant.formats import int4 as i4
 from pagoda_quant.formats.gguf_blocks import SUPPORTED, decode, to_planes
 from pagoda_quant.methods.base import PolicyConfig, QuantizedLinearMethod, add_param, layer_name, replace_param
 from pagoda_quant.methods.int4 import Int4KernelLayout
+
+logger = logging.getLogger("pagoda")
 
 BLOCK = 32  # weights per Q4_1 block
 BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of codes
@@ -129,6 +133,18 @@ def _segments(pieces: list[tuple[torch.Tensor, str | None]], dtype: torch.dtype)
     return out
 
 
+def _cached_segments(config: GgufConfig | None, name: str, pieces, dtype: torch.dtype) -> list[_Segment]:
+    """A layer's segments from the packed-weight cache of this load (``gguf_cache``), else packed now
+    (and remembered for the cache)."""
+    cache = getattr(config, "packed_cache", None)
+    segments = cache.get(name) if cache is not None else None
+    if segments is None:
+        segments = _segments(pieces, dtype)
+        if cache is not None:
+            cache.put(name, segments)
+    return segments
+
+
 def _packed_planes(tensors: list[torch.Tensor], kind: str):
     """Int4 planes of the rows of ``tensors`` (block rows of one type), decoded and packed a few
     thousand rows at a time into preallocated planes (no copy of the whole weight at any point)."""
@@ -184,6 +200,9 @@ class GgufCpuLinear(QuantizedLinearMethod):
 
     method_name = "gguf-cpu"
 
+    def __init__(self, config: GgufConfig | None = None):
+        self.config = config
+
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
         self.dtype = params_dtype
         layer.gguf_pieces = {}
@@ -202,7 +221,7 @@ class GgufCpuLinear(QuantizedLinearMethod):
             if t.shape[0] != size:
                 raise ModelLoadError(f"quantization gguf: layer {layer_name(layer)}: a {kind or 'float'} piece of "
                                      f"{t.shape[0]} rows where {size} are expected")
-        layer.gguf_segments = _segments(ordered, self.dtype)
+        layer.gguf_segments = _cached_segments(self.config, layer_name(layer), ordered, self.dtype)
         replace_param(layer, "weight", None)
 
     def apply(self, layer, x, bias):
@@ -222,8 +241,8 @@ class GgufEmbedding:
     file's block rows (a view of the mapped file) and decodes the rows a step looks up; the LM head
     packs them into int4 planes like a linear layer."""
 
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
+    def __init__(self, dtype: torch.dtype, config: GgufConfig | None = None):
+        self.dtype, self.config = dtype, config
 
     def load(self, module, loaded: torch.Tensor, shard_id=None) -> None:
         kind = _gguf_kind(f"layer {module.prefix}", loaded)
@@ -237,7 +256,7 @@ class GgufEmbedding:
         source = getattr(module, "tied_to", None) or module
         rows, kind = source.gguf_rows
         if getattr(module, "is_lm_head", False):
-            module.gguf_segments = _segments([(rows, kind)], self.dtype)
+            module.gguf_segments = _cached_segments(self.config, module.prefix, [(rows, kind)], self.dtype)
             if module is not source or kind is None:
                 module.__dict__.pop("gguf_rows", None)
 
@@ -270,6 +289,7 @@ class GgufConfig(PolicyConfig):
     def __init__(self, cpu: bool | None = None):
         super().__init__()
         self._cpu = cpu
+        self.packed_cache = None  # gguf_cache.PackedCache of the load in progress (CPU only)
 
     @property
     def cpu(self) -> bool:
@@ -298,7 +318,25 @@ class GgufConfig(PolicyConfig):
         return not any(part in module for part in FULL_PRECISION) and not self.keeps_full_precision(module)
 
     def linear_method(self, layer, prefix):
-        return GgufCpuLinear() if self.cpu else GgufQ4_1Method()
+        return GgufCpuLinear(self) if self.cpu else GgufQ4_1Method()
+
+    def begin_loading(self, source) -> None:
+        """Before the weights load: open the packed-weight cache of this GGUF file (CPU only)."""
+        from pagoda_quant.methods.gguf_cache import PackedCache, cache_dir
+
+        directory = cache_dir()
+        if not self.cpu or source is None or source.kind != "gguf" or directory is None:
+            return
+        try:
+            self.packed_cache = PackedCache(source.path, directory)
+        except OSError as exc:
+            logger.warning("no packed-weight cache for %s (%s)", source.path, exc)
+
+    def finish_loading(self, model) -> None:
+        """After every layer processed its weights: write what this load packed to the cache."""
+        cache, self.packed_cache = self.packed_cache, None
+        if cache is not None:
+            cache.save()
 
     def prepare_model(self, model) -> None:
         """Before loading: the embedding and LM head take the file's blocks too (CPU only)."""
@@ -314,7 +352,7 @@ class GgufConfig(PolicyConfig):
                 tied = next((e for e in embeddings if e is not module and e.weight is module.weight), None)
                 if tied is not None:
                     module.tied_to = tied
-            method = GgufEmbedding(dtype)
+            method = GgufEmbedding(dtype, self)
             module.quant_method = method
         for module in embeddings:
             tied = getattr(module, "tied_to", None)
