@@ -159,3 +159,34 @@ def test_a_platform_that_queues_work_gets_the_pipeline_through_its_own_methods(m
     assert llm.engine.pipeline.launched_ahead > 3
     assert marks.count("recorded") >= llm.engine.pipeline.launched_ahead and "waited" in marks
     assert pinned
+
+
+def test_streamed_steps_are_launched_ahead_with_async_scheduling(model):
+    """``async_scheduling``: streamed steps (``step()``, as the server calls it) go through the pipeline too.
+    Every request's streamed tokens only grow, never show a pending token, and end as plain decoding's; a
+    request aborted mid-stream leaves the others untouched and gives its blocks back; a request added
+    while a step is in flight joins later. Without the key, streamed steps run one at a time."""
+    prompts = random_prompts(5, 256, 4, 30, seed=7)
+    params = [SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True) for i in range(len(prompts))]
+    plain = _tokens(_llm(model, False).generate(prompts, params))
+    for async_scheduling in (True, False):
+        llm = _llm(model, True, async_scheduling=async_scheduling)
+        engine = llm.engine
+        for i in range(4):
+            engine.add_request(f"r{i}", prompts[i], params[i])
+        seen: dict[str, list[int]] = {}
+        steps = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens = out.outputs[0].token_ids
+                assert PENDING_TOKEN not in tokens and tokens[:len(seen.get(out.request_id, []))] == \
+                    seen.get(out.request_id, [])
+                seen[out.request_id] = list(tokens)
+            steps += 1
+            if steps == 3:
+                engine.abort_request("r1")
+                engine.add_request("r4", prompts[4], params[4])
+        assert [seen[f"r{i}"] for i in (0, 2, 3, 4)] == [plain[i][0] for i in (0, 2, 3, 4)]
+        assert len(seen.get("r1", [])) < len(plain[1][0])
+        assert llm.get_stats()["kv_blocks_used"] == 0
+        assert (engine.pipeline.launched_ahead > 3) == async_scheduling

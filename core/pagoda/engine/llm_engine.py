@@ -255,7 +255,7 @@ class LLMEngine:
         if self.pooling is not None:  # prefill-only steps: outputs of the requests that finished
             return self.pooling.step()
         ahead = self.pipeline
-        if ahead is not None and (finished_only or ahead.pending is not None):
+        if ahead is not None and (finished_only or self.config.async_scheduling or ahead.pending is not None):
             outputs = ahead.step(finished_only)
             if outputs is not None:
                 return outputs

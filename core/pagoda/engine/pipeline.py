@@ -1,6 +1,7 @@
 """Step pipeline: launch step N+1 on the device before step N's tokens reach the host.
 
-Offline batches of greedy requests (``LLM.generate``: ``LLMEngine.step(finished_only=True)``) on a
+Offline batches of greedy requests (``LLM.generate``: ``LLMEngine.step(finished_only=True)``), and
+streamed steps (``finished_only=False``: the server) with the engine key ``async_scheduling``, on a
 platform that queues work asynchronously (``Platform.supports_async_steps``), on one device or
 several tensor-parallel ranks alike (the executor sends each launch and its feed to every rank; each
 rank feeds its own copy of the previous step's tokens). After step N is launched the scheduler
@@ -10,6 +11,9 @@ decodes whose input is a pending token take it from N's tokens on the device. On
 host wait for N's tokens, write them in (``Scheduler.commit``: stops, outputs) and advance N+1. The
 host work of a step (scheduling, building inputs, launching an eager prefill, stop checks) leaves
 the critical path for prefill steps as well as for graph-replayed decodes.
+
+Outputs of step N (streamed or finished) are built while committing N, before N+1 is advanced, so
+they never hold a pending token; a request added meanwhile is scheduled from step N+2.
 
 Nothing changes in what is generated. A sequence whose pending token reaches a length limit
 is not scheduled again (``Scheduler.ends_by_length``). One that stops by EOS, a stop token or
@@ -83,8 +87,9 @@ class StepPipeline:
         eng = self.engine
         sched, runner = eng.scheduler, eng.runner
         t0 = time.perf_counter()
+        ahead_ok = finished_only or eng.config.async_scheduling  # streamed outputs: only when asked for
         if self.pending is None:
-            if not finished_only or not self._plain():
+            if not ahead_ok or not self._plain():
                 return None
             out = sched.schedule()
             t1 = time.perf_counter()
@@ -97,7 +102,7 @@ class StepPipeline:
             (out, pending), self.pending = self.pending, None
             t1 = t0
         ahead = None
-        if finished_only and sched.has_work_ahead() and self._plain() and sched.fits_without_preemption():
+        if ahead_ok and sched.has_work_ahead() and self._plain() and sched.fits_without_preemption():
             nxt = sched.schedule()
             if not nxt.is_empty:
                 eng._mark_scheduled(nxt)
