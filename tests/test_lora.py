@@ -218,15 +218,22 @@ def test_generate_cli_with_an_adapter(models, capsys):
     assert got == peft_greedy_tokens(base, a1, [prompt], 6)[0]
 
 
-def test_bench_throughput_with_adapters(models, tmp_path, capsys):
+def test_bench_throughput_with_adapters(models, tmp_path, capsys, monkeypatch):
+    """--lora N gives the prompts N adapters round-robin, in the measured runs and in --profile's steps."""
+    from pagoda.bench import profile as bench_profile
     from pagoda.cli.main import main
 
+    profiled = []
+    real = bench_profile.profile_decode
+    monkeypatch.setattr(bench_profile, "profile_decode",
+                        lambda *a, **kw: (profiled.append(kw.get("lora_requests")), real(*a, **kw))[1])
     out = tmp_path / "r.json"
     code = main(["bench", "throughput", "--model", str(models[0]), "--device", "cpu", "--dtype", "float32",
                  "--num-prompts", "4", "--input-len", "8", "--output-len", "4", "--ignore-eos", "--repeats", "1",
                  "--warmup-prompts", "0", "--lora", "3", "--lora-rank", "4", "--bandwidth-gbs", "10",
-                 "--matmul-tflops", "0.1", "--json", str(out)])
+                 "--matmul-tflops", "0.1", "--json", str(out), "--profile"])
     assert code == 0
+    assert [r.lora_int_id for r in profiled[0]] == [1, 2, 3, 1]
     assert "3 LoRA adapters of rank 4" in capsys.readouterr().out
     res = json.loads(out.read_text())
     assert res["engine_config"]["enable_lora"] and res["engine_config"]["max_loras"] == 3

@@ -80,7 +80,7 @@ def _timed_steps(engine, steps: int, on_gpu: bool, pipelined: bool = True) -> li
     return out
 
 
-def profile_timeline(llm, prompts: list[list[int]], params) -> dict | None:
+def profile_timeline(llm, prompts: list[list[int]], params, lora_requests=None) -> dict | None:
     """One whole ``generate`` of the workload with every pipelined launch marked
     (``pagoda.engine.timeline``): the device's busy time per step kind and its idle time
     between steps. None when the engine does not pipeline steps."""
@@ -94,17 +94,20 @@ def profile_timeline(llm, prompts: list[list[int]], params) -> dict | None:
     try:
         engine.platform.synchronize()
         timeline.start()
-        llm.generate(prompts, params)
+        llm.generate(prompts, params, lora_request=lora_requests)
         timeline.stop()
     finally:
         engine.pipeline.timeline = None
     return timeline.summary()
 
 
-def profile_decode(llm, prompts: list[list[int]], params, timed_steps: int = 8, profiled_steps: int = 3) -> dict:
+def profile_decode(llm, prompts: list[list[int]], params, timed_steps: int = 8, profiled_steps: int = 3,
+                   lora_requests=None) -> dict:
+    """``lora_requests``: one per prompt (or None), as the measured workload gives them (``--lora N``)."""
     engine = llm.engine
     on_gpu = engine.platform.device_type == "cuda"
-    ids = [engine.add_request(f"profile-{i}", p, params) for i, p in enumerate(prompts)]
+    loras = lora_requests or [None] * len(prompts)
+    ids = [engine.add_request(f"profile-{i}", p, params, lora_request=loras[i]) for i, p in enumerate(prompts)]
     try:
         prefill = _profile_prefill_step(engine, on_gpu)
         host = _host_profile_step(engine)

@@ -200,11 +200,12 @@ def run(args) -> int:
             from pagoda.bench.profile import profile_decode, profile_timeline
 
             greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
+            adapters = _per_prompt(loras, args.num_prompts)  # the workload's adapters (--lora), if any
             profile = profile_decode(llm, make_prompts(args.num_prompts, args.input_len, vocab, args.prompt_seed + 77),
-                                     greedy)
+                                     greedy, lora_requests=adapters)
             # the measured workload again, on fresh prompts (no prefix-cache hits), launches marked
             profile["timeline"] = profile_timeline(
-                llm, make_prompts(args.num_prompts, args.input_len, vocab, args.prompt_seed + 78), params)
+                llm, make_prompts(args.num_prompts, args.input_len, vocab, args.prompt_seed + 78), params, adapters)
         device = runner.device
         if args.bandwidth_gbs and args.matmul_tflops:
             ceilings = Ceilings(args.bandwidth_gbs * 1e9, args.matmul_tflops * 1e12, False)
