@@ -32,7 +32,7 @@ bench() {  # name, timeout, args...
 
 if [[ " $EXTRA_SECTIONS " == *" quant "* ]]; then
   say "quant kernels at real shapes"
-  timeout 300 $PY -m pagoda_quant.gpu_check --json "$RES/quant-kernels.json" >"$RES/quant-kernels.txt" 2>&1 \
+  timeout 300 $PY -m pagoda_cuda.quant.gpu_check --json "$RES/quant-kernels.json" >"$RES/quant-kernels.txt" 2>&1 \
     || say "quant kernels failed or timed out"
   tail -25 "$RES/quant-kernels.txt" | tee -a "$RES/extra.log"
   for q in fp8 int4; do bench "phi3-$q-256" 120 --shape phi3-mini --quantization "$q"; done

@@ -2,7 +2,7 @@
 # GPU checks of pagoda-quant, on a CUDA machine (standalone, or called from scripts/gpu_check.sh):
 #   1. the plugin's tests on the GPU: Triton kernels against the torch reference
 #   2. kernels at real shapes (Phi-3-mini, Llama-3-8B layers; Qwen3-30B-A3B experts) against the
-#      reference and timed against bf16, for 1..4096 tokens (python -m pagoda_quant.gpu_check)
+#      reference and timed against bf16, for 1..4096 tokens (python -m pagoda_cuda.quant.gpu_check)
 #   3. pagoda bench throughput of phi3-mini (3.8B) in bf16, fp8 and int4: the anchor workload
 #      (256 prompts) and a small batch, where INT4's smaller weight reads should pay most
 # Results go to $OUT/quant (default out/quant); the exit status is non-zero if a kernel is out of
@@ -20,7 +20,7 @@ python -m pytest -q plugins/quant/tests 2>&1 | tee "$OUT_DIR/tests.txt" | tail -
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== kernels at real shapes"
-python -m pagoda_quant.gpu_check --json "$OUT_DIR/kernels.json" 2>&1 | tee "$OUT_DIR/kernels.txt"
+python -m pagoda_cuda.quant.gpu_check --json "$OUT_DIR/kernels.json" 2>&1 | tee "$OUT_DIR/kernels.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== throughput: $SHAPE in bf16 / fp8 / int4"

@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 from pagoda.kernels.triton_support import interpreting, prepare_interpreter
 
-__all__ = ["interpreting", "mma", "next_pow2", "sm_count", "tanh", "to_f16"]
+__all__ = ["gelu_tanh", "interpreting", "mma", "next_pow2", "silu", "sm_count", "tanh", "to_f16"]
 
 prepare_interpreter()
 
@@ -33,6 +33,20 @@ def sm_count(device) -> int:
 @triton.jit
 def tanh(x):
     return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
+
+
+@triton.jit
+def silu(x):
+    """x * sigmoid(x), float32."""
+    return x / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def gelu_tanh(x):
+    """GELU's tanh approximation, float32: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), with
+    1 + tanh(t) written as 2 / (1 + exp(-2t)) (one exp, no cancellation)."""
+    t = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    return 0.5 * x * (2.0 / (1.0 + tl.exp(-2.0 * t)))
 
 
 @triton.jit

@@ -5,8 +5,8 @@ from pagoda import hookimpl
 from pagoda_quant.quantizers import QUANTIZERS
 
 OPS = ("fp8_linear", "fp8_block_linear", "int4_linear", "fused_moe_quant")
-# GPU implementations: Triton kernels (and cuBLASLt fp8 through torch._scaled_mm where it runs).
-CUDA_PRIORITY = 10
+# pagoda-quant is device-neutral: its ops' torch references here; pagoda-cuda registers their Triton
+# kernels for CUDA devices (pagoda_cuda.quant), other platform plugins may register their own.
 
 
 @hookimpl
@@ -19,5 +19,3 @@ def register_quantizers(register):
 def register_kernels(register):
     for op in OPS:
         register(op, "*", f"pagoda_quant.kernels.reference:{op}", priority=0)
-    for op in OPS:
-        register(op, "cuda", f"pagoda_quant.kernels.cuda:{op}", priority=CUDA_PRIORITY)

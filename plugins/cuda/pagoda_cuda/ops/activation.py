@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda_cuda._triton import tanh
+from pagoda_cuda._triton import gelu_tanh, silu
 
 BLOCK = 1024
 
@@ -23,9 +23,9 @@ def _gated_kernel(x_ptr, x_stride, out_ptr, out_stride, inner, ACT: tl.constexpr
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_stride + inner + cols, mask=mask, other=0.0).to(tl.float32)
     if ACT == "silu":
-        act = gate / (1.0 + tl.exp(-gate))
-    else:  # gelu, tanh approximation
-        act = 0.5 * gate * (1.0 + tanh(0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)))
+        act = silu(gate)
+    else:
+        act = gelu_tanh(gate)
     act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * out_stride + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from pagoda.layers.moe_grouping import group_pairs_by_expert
 
-from pagoda_cuda._triton import interpreting, next_pow2
+from pagoda_cuda._triton import gelu_tanh, interpreting, next_pow2, silu
 
 logger = logging.getLogger("pagoda")
 
@@ -100,7 +100,7 @@ def _gate_up_kernel(h_ptr, stride_ht, w_ptr, stride_we, stride_wn, out_ptr, stri
         gate = (gate + tl.load(b_base + n, mask=nmask, other=0.0).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
         up = (up + tl.load(b_base + inner + n, mask=nmask, other=0.0).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
     if ACT == "silu":
-        act = gate / (1.0 + tl.exp(-gate))
+        act = silu(gate)
     elif ACT == "swigluoai":  # GPT-OSS: gate clamped above at 7, up to [-7, 7], (up + 1) * gate * sigmoid(1.702 gate),
         # rounded after each step as the reference's (and transformers') dtype ops are
         gate = tl.minimum(gate, 7.0)
@@ -108,9 +108,8 @@ def _gate_up_kernel(h_ptr, stride_ht, w_ptr, stride_we, stride_wn, out_ptr, stri
         z = (1.702 * gate).to(dtype).to(tl.float32)
         sig = (1.0 / (1.0 + tl.exp(-z))).to(dtype).to(tl.float32)
         act = gate * sig
-    else:  # gelu, tanh approximation
-        inner_t = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        act = 0.5 * gate * (2.0 / (1.0 + tl.exp(-2.0 * inner_t)))
+    else:
+        act = gelu_tanh(gate)
     act = act.to(dtype).to(tl.float32)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + n[None, :], (act * up).to(dtype),
              mask=rmask[:, None] & nmask[None, :])

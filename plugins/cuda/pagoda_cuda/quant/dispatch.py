@@ -23,7 +23,8 @@ import os
 
 import torch
 
-from pagoda_quant.kernels import triton_fp8, triton_int4
+from pagoda_cuda.quant import fp8 as triton_fp8
+from pagoda_cuda.quant import int4 as triton_int4
 
 logger = logging.getLogger("pagoda.quant")
 INT4_DENSE_MIN_TOKENS = int(os.environ.get("PAGODA_QUANT_INT4_DENSE_MIN_TOKENS", "256"))
@@ -94,7 +95,7 @@ def fused_moe_quant(hidden, w13, w2, topk_weights, topk_ids, activation="silu"):
     Experts of another method (no ``kernel_tensors``): every local expert dequantized to the
     activation dtype, then the platform's dense ``fused_moe`` (a transient copy of one layer)."""
     if hasattr(w13, "kernel_tensors") and hasattr(w2, "kernel_tensors"):
-        from pagoda_quant.kernels import triton_moe
+        from pagoda_cuda.quant import moe as triton_moe
 
         return triton_moe.fused_moe_quant(hidden.contiguous(), w13, w2, topk_weights, topk_ids, activation)
     from pagoda.kernels import get_op

@@ -12,7 +12,7 @@
 
 Weight formats (``FORMAT``): 0 FP8 per-channel (w [E, N, K], s [E, N]); 1 FP8 block (s [E,
 N/bn, K/bk]); 2 INT4 in pagoda's kernel layout (qweight [E, K/8, N], scales/zeros [E, K/G, N]),
-multiplied as in triton_int4 (each packed word loaded once, eight nibble-plane dots; BLOCK_K 128).
+multiplied as in ``pagoda_cuda.quant.int4`` (each packed word loaded once, eight nibble-plane dots; BLOCK_K 128).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda_quant.kernels._triton import interpreting
-from pagoda_quant.kernels.triton_int4 import group_params, packed_tile_dot
+from pagoda_cuda._triton import gelu_tanh, interpreting, silu
+from pagoda_cuda.quant.int4 import group_params, packed_tile_dot
 
 INT4 = 2  # FORMAT of pagoda's INT4 kernel layout (see the module docstring)
 
@@ -103,10 +103,9 @@ def _gate_up_kernel(h_ptr, stride_ht, w_ptr, s_ptr, z_ptr, stride_we, stride_wa,
     gate = acc_gate.to(dtype).to(tl.float32)
     up = acc_up.to(dtype).to(tl.float32)
     if ACT == "silu":
-        act = gate / (1.0 + tl.exp(-gate))
-    else:  # gelu, tanh approximation
-        t = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        act = 0.5 * gate * (2.0 / (1.0 + tl.exp(-2.0 * t)))
+        act = silu(gate)
+    else:
+        act = gelu_tanh(gate)
     y = act.to(dtype).to(tl.float32) * up
     mask = rmask[:, None] & (n[None, :] < inner)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + n[None, :], y.to(dtype), mask=mask)

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from pagoda_quant.formats.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
-from pagoda_quant.kernels import _triton  # noqa: F401  (interpreter fix under TRITON_INTERPRET=1)
+
+from pagoda_cuda import _triton  # noqa: F401  (interpreter fix under TRITON_INTERPRET=1)
 
 
 @triton.jit

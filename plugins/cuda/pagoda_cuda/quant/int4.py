@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda_quant.kernels._triton import interpreting
+from pagoda_cuda._triton import interpreting
 
 TWO_23 = 8388608.0  # 2^23: a float32 whose lowest mantissa bits hold an integer 0..15 exactly
 

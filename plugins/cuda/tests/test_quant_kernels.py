@@ -13,8 +13,9 @@ from pagoda_quant.formats import int4 as i4
 from pagoda_quant.kernels import reference as ref
 
 triton = pytest.importorskip("triton")
-from pagoda_quant.kernels import cuda as cuda_ops  # noqa: E402
-from pagoda_quant.kernels import triton_fp8, triton_int4  # noqa: E402
+from pagoda_cuda.quant import dispatch as cuda_ops  # noqa: E402
+from pagoda_cuda.quant import fp8 as triton_fp8  # noqa: E402
+from pagoda_cuda.quant import int4 as triton_int4  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRETED = DEVICE.type == "cpu"
@@ -233,7 +234,7 @@ def _experts(method, e=4, h=64, inter=32, dtype=torch.float32):
 @pytest.mark.parametrize("fmt", ["fp8", "fp8-block", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fused_moe_quant_matches_reference(fmt, dtype):
-    from pagoda_quant.kernels import triton_moe
+    from pagoda_cuda.quant import moe as triton_moe
     from pagoda_quant.methods.moe import Fp8ExpertsMethod, Int4ExpertsMethod
 
     torch.manual_seed(5)
@@ -252,7 +253,7 @@ def test_fused_moe_quant_matches_reference(fmt, dtype):
 
 def test_fused_moe_int4_one_group_per_tile():
     """INT4 experts whose group spans the whole K tile (group 128, hidden 256, intermediate 128)."""
-    from pagoda_quant.kernels import triton_moe
+    from pagoda_cuda.quant import moe as triton_moe
     from pagoda_quant.methods.moe import Int4ExpertsMethod
 
     torch.manual_seed(7)
@@ -264,7 +265,7 @@ def test_fused_moe_int4_one_group_per_tile():
 
 
 def test_moe_alignment_pads_each_expert_to_whole_blocks():
-    from pagoda_quant.kernels.triton_moe import align
+    from pagoda_cuda.quant.moe import align
 
     ids = torch.tensor([[2, 0], [2, -1], [0, 2]], device=DEVICE)
     pairs, block_expert, num_pairs = align(ids, 4, 4)

@@ -1,4 +1,4 @@
-"""GPU check of pagoda-quant's kernels at real shapes: ``python -m pagoda_quant.gpu_check``.
+"""GPU check of pagoda-quant's kernels at real shapes: ``python -m pagoda_cuda.quant.gpu_check``.
 
 For the linear layers of a 3.8B (Phi-3-mini) and an 8B (Llama-3-8B) model and a range of
 token counts, each GPU op is compared with the torch reference on the same quantized inputs
@@ -42,7 +42,7 @@ def _time_us(fn, iters: int = 20, graphs: bool = True) -> float:
     before each call, so that microsecond kernels are timed on the GPU, not on their launch,
     and on weights streamed from HBM. Eager timing where the call cannot be captured, and with
     ``graphs=False`` (long calls, whose launch does not matter)."""
-    from pagoda_quant.kernels.triton_int4 import graph_bench
+    from pagoda_cuda.quant.int4 import graph_bench
 
     fn()  # compile / autotune outside the capture
     torch.cuda.synchronize()
@@ -103,7 +103,9 @@ def _with_env(env: dict, fn):
 def check_linear(model: str, tokens: tuple[int, ...]) -> list[dict]:
     from pagoda_quant.formats import fp8 as f8
     from pagoda_quant.formats import int4 as i4
-    from pagoda_quant.kernels import cuda, reference
+    from pagoda_quant.kernels import reference
+
+    from pagoda_cuda.quant import dispatch as cuda
 
     rows = []
     dev = torch.device("cuda")
@@ -146,7 +148,6 @@ def check_linear(model: str, tokens: tuple[int, ...]) -> list[dict]:
 def check_moe(tokens: tuple[int, ...]) -> list[dict]:
     """A Qwen3-30B-A3B expert layer: 128 experts, hidden 2048, moe_intermediate 768, top-8."""
     from pagoda.kernels import activate, get_op
-
     from pagoda_quant.methods.moe import ExpertWeights, Fp8ExpertsMethod, Int4ExpertsMethod
 
     activate("cuda")
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("pagoda_quant.gpu_check needs a CUDA GPU", file=sys.stderr)
+        print("pagoda_cuda.quant.gpu_check needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.manual_seed(0)
     rows = [r for model in args.models for r in check_linear(model, tuple(args.tokens))]
