@@ -14,6 +14,8 @@
 #     open_gguf; open_gguf(p()).tokenizer().hf.save_pretrained('.whl/smollm2-tokenizer')"
 # Run (device tool, carry [".whl"]): bash scripts/gpu_structured.sh     (about 3 minutes)
 # Settings: BACKENDS="xgrammar llguidance" CONCURRENCY=64 NUM_REQUESTS=256 MAX_TOKENS=256 PROMPT_LEN=64
+#   REPEATS=3 (interleaved unconstrained/constrained pairs; the ratio is their median: one pair varies by 0.1-0.2)
+#   SERVE_ARGS="" (extra arguments of pagoda serve, e.g. --async-scheduling)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/structured}
@@ -24,6 +26,7 @@ CONCURRENCY=${CONCURRENCY:-64}
 NUM_REQUESTS=${NUM_REQUESTS:-256}
 MAX_TOKENS=${MAX_TOKENS:-256}
 PROMPT_LEN=${PROMPT_LEN:-64}
+REPEATS=${REPEATS:-3}
 PORT=${PORT:-8123}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -45,7 +48,7 @@ PYEOF
 for backend in $BACKENDS; do
   say "serve qwen3-0.6b shape (dummy weights), structured_outputs_backend=$backend"
   $PY -m pagoda.cli.main serve --model "$MODEL" --load-format dummy --port "$PORT" --max-num-seqs 128 \
-    --structured-outputs-backend "$backend" >>"$LOG" 2>&1 &
+    --structured-outputs-backend "$backend" ${SERVE_ARGS:-} >>"$LOG" 2>&1 &
   SERVER=$!
   for _ in $(seq 1 120); do
     curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
@@ -55,15 +58,16 @@ for backend in $BACKENDS; do
   say "server up (pid $SERVER); bench: $NUM_REQUESTS requests, concurrency $CONCURRENCY, $MAX_TOKENS tokens"
   timeout 240 $PY -m pagoda.cli.main bench serve --url "http://127.0.0.1:$PORT" --concurrency "$CONCURRENCY" \
     --num-requests "$NUM_REQUESTS" --max-tokens "$MAX_TOKENS" --prompt-len "$PROMPT_LEN" \
-    --structured-outputs json --compare-unconstrained --json > "$OUT/bench-$backend.json" 2>>"$LOG"
+    --structured-outputs json --compare-unconstrained --repeats "$REPEATS" --json > "$OUT/bench-$backend.json" \
+    2>>"$LOG"
   say "bench exit $?"
   kill $SERVER; wait $SERVER 2>/dev/null
 done
 $PY - "$OUT" <<'PYEOF' 2>&1 | tee -a "$LOG"
 import json, sys
 from pathlib import Path
-print("| backend | unconstrained tok/s | JSON-schema tok/s | ratio | mask ms/step | mask us/row | mask share |")
-print("| --- | --- | --- | --- | --- | --- | --- |")
+print("| backend | unconstrained tok/s | JSON-schema tok/s | ratio (median) | pair ratios | mask ms/step | mask us/row | mask share |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- |")
 for path in sorted(Path(sys.argv[1]).glob("bench-*.json")):
     try:
         r = json.loads(path.read_text())
@@ -71,6 +75,6 @@ for path in sorted(Path(sys.argv[1]).glob("bench-*.json")):
         print(f"| {path.stem[6:]} | failed (see structured.log) |"); continue
     m = r.get("grammar_mask") or {}
     print(f"| {path.stem[6:]} | {r['unconstrained']['output_tokens_per_s']} | {r['output_tokens_per_s']} | "
-          f"{r.get('ratio_to_unconstrained')} | {m.get('ms_per_step')} | {m.get('us_per_row')} | "
+          f"{r.get('ratio_to_unconstrained')} | {r.get('pair_ratios')} | {m.get('ms_per_step')} | {m.get('us_per_row')} | "
           f"{m.get('share_of_wall')} |")
 PYEOF

@@ -205,9 +205,11 @@ def test_bench_serve_reports_latency_and_throughput(server, capsys):
 def test_bench_serve_structured_outputs_mode_reports_the_mask_cost(server, capsys):
     rc = pagoda_main(["bench", "serve", "--url", server.url, "--num-requests", "6", "--concurrency", "3",
                       "--max-tokens", "12", "--prompt-len", "4", "--structured-outputs", "json",
-                      "--compare-unconstrained", "--json"])
+                      "--compare-unconstrained", "--repeats", "2", "--json"])
     rep = json.loads(capsys.readouterr().out)
     assert rc == 0 and rep["completed"] == 6 and rep["structured_outputs"] == "json"
+    assert len(rep["pair_ratios"]) == 2 and min(rep["pair_ratios"]) <= rep["ratio_to_unconstrained"] <= \
+        max(rep["pair_ratios"])  # the median of the interleaved pairs
     assert rep["unconstrained"]["completed"] == 6 and rep["unconstrained"]["output_tokens"] == 72
     assert rep["ratio_to_unconstrained"] > 0
     mask = rep["grammar_mask"]  # every constrained token had its row masked
@@ -218,3 +220,5 @@ def test_bench_serve_structured_outputs_mode_reports_the_mask_cost(server, capsy
     assert rc == 0 and json.loads(capsys.readouterr().out)["grammar_mask"]["rows"] > 0
     assert pagoda_main(["bench", "serve", "--url", server.url, "--compare-unconstrained"]) == 1
     assert "--structured-outputs" in capsys.readouterr().err
+    assert pagoda_main(["bench", "serve", "--url", server.url, "--repeats", "2"]) == 1
+    assert "--repeats" in capsys.readouterr().err

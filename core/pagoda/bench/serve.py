@@ -14,6 +14,7 @@ import ipaddress
 import json
 import random
 import socket
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -49,6 +50,9 @@ def add_parser(sub) -> None:
     p.add_argument("--compare-unconstrained", action="store_true",
                    help="with --structured-outputs: run the same requests unconstrained first and report the "
                         "constrained/unconstrained output tok/s ratio")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="with --compare-unconstrained: this many unconstrained/constrained pairs, interleaved; "
+                        "the ratio reported is the median of the pairs' (a server's rate varies between runs)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
 
@@ -303,23 +307,30 @@ def measured(plan: Plan) -> dict:
 
 def run(args) -> int:
     plan = build_plan(args)
-    reports = []
-    if args.compare_unconstrained:
-        kind, plan.structured = plan.structured, None
+    if args.repeats < 1 or (args.repeats > 1 and not args.compare_unconstrained):
+        raise ConfigError("--repeats must be >= 1, and more than 1 needs --compare-unconstrained")
+    reports, ratios = [], []
+    for _ in range(args.repeats if args.compare_unconstrained else 1):
+        if args.compare_unconstrained:
+            kind, plan.structured = plan.structured, None
+            reports.append(measured(plan))
+            plan.structured = kind
         reports.append(measured(plan))
-        plan.structured = kind
-    reports.append(measured(plan))
+        if args.compare_unconstrained and reports[-2]["output_tokens_per_s"]:
+            ratios.append(reports[-1]["output_tokens_per_s"] / reports[-2]["output_tokens_per_s"])
     rep = reports[-1]
-    if len(reports) == 2 and reports[0]["output_tokens_per_s"]:
-        rep["unconstrained"] = reports[0]
-        rep["ratio_to_unconstrained"] = round(rep["output_tokens_per_s"] / reports[0]["output_tokens_per_s"], 4)
+    if ratios:
+        rep["unconstrained"] = reports[-2]
+        rep["ratio_to_unconstrained"] = round(statistics.median(ratios), 4)
+        rep["pair_ratios"] = [round(r, 4) for r in ratios]
     if args.json:
         print(json.dumps(rep, indent=2))
     else:
         for r in reports:
             _print(r)
         if "ratio_to_unconstrained" in rep:
-            print(f"  constrained / unconstrained output tok/s: {rep['ratio_to_unconstrained']:.3f}")
+            pairs = f" (median of {len(ratios)} pairs: {rep['pair_ratios']})" if len(ratios) > 1 else ""
+            print(f"  constrained / unconstrained output tok/s: {rep['ratio_to_unconstrained']:.3f}{pairs}")
     return 0 if all(r["completed"] == r["requests"] for r in reports) else 1
 
 
