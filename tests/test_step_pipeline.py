@@ -190,3 +190,18 @@ def test_streamed_steps_are_launched_ahead_with_async_scheduling(model):
         assert len(seen.get("r1", [])) < len(plain[1][0])
         assert llm.get_stats()["kv_blocks_used"] == 0
         assert (engine.pipeline.launched_ahead > 3) == async_scheduling
+
+
+def test_async_scheduling_refuses_what_it_cannot_combine_with(model, caplog):
+    """Refused by name with speculative decoding and pipeline stages (before loading anything); on a
+    platform that runs steps one at a time (the CPU) it is accepted with a warning saying it does nothing."""
+    from pagoda.errors import ConfigError
+
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+    with pytest.raises(ConfigError, match="async_scheduling does not combine with speculative_config"):
+        LLM(model=str(model), device="cpu", async_scheduling=True, speculative_config=spec)
+    with pytest.raises(ConfigError, match="pipeline_parallel_size: 1"):
+        LLM(model=str(model), device="cpu", async_scheduling=True, pipeline_parallel_size=2)
+    with caplog.at_level("WARNING", logger="pagoda"):
+        _llm(model, False, async_scheduling=True)
+    assert "changes nothing" in caplog.text

@@ -152,6 +152,16 @@ class EngineConfig(BaseModel):
             raise ValueError("runner: pooling runs on one device; set tensor_parallel_size: 1")
         return self
 
+    @model_validator(mode="after")
+    def _async_scheduling_alone(self) -> EngineConfig:
+        if self.async_scheduling and self.speculative_config:
+            raise ValueError("async_scheduling does not combine with speculative_config (verification steps run "
+                             "one at a time): drop one of them")
+        if self.async_scheduling and self.pipeline_parallel_size > 1:
+            raise ValueError("async_scheduling needs pipeline_parallel_size: 1 (pipeline stages are not launched "
+                             "ahead yet)")
+        return self
+
     @field_validator("classifier_from_token", mode="before")
     @classmethod
     def _classifier_tokens(cls, v: Any) -> Any:

@@ -105,6 +105,9 @@ class LLMEngine:
             self.pipeline = StepPipeline(self)
         if self.speculative is not None:  # verification steps run one at a time
             self.pipeline = None
+        if config.async_scheduling and self.pipeline is None:
+            logger.warning("async_scheduling: the %s platform runs steps one at a time; the key changes nothing "
+                           "here", self.platform.name)
         self.eos_token_ids = self._eos_ids()
         self.controls = RequestControls(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids, config)
         sampler = self.runner.sampler
