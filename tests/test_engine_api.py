@@ -66,3 +66,29 @@ def test_dummy_weights_follow_the_seed_on_every_path(tmp_path, monkeypatch):
             assert bool((param == 1).all())
         else:
             assert not torch.equal(param, c[name]), name
+
+
+def test_truncate_prompt_tokens_offline():
+    """SamplingParams(truncate_prompt_tokens=N) keeps the prompt's last N tokens (as vLLM's); a value the
+    context cannot hold or that is not -1 / >= 1 is refused by name."""
+    import tempfile
+
+    import pytest
+    from pagoda import LLM, SamplingParams
+    from pagoda.errors import RequestError
+    from pagoda.testing import make_tiny_checkpoint
+    path = make_tiny_checkpoint("llama", tempfile.mkdtemp(), seed=2, vocab_size=128, hidden_size=32,
+                                intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                num_key_value_heads=1, max_position_embeddings=64)
+    llm = LLM(model=str(path), device="cpu", dtype="float32", num_kv_blocks=32, block_size=8, max_model_len=64)
+    prompt = list(range(5, 25))
+    greedy = dict(temperature=0, max_tokens=4, ignore_eos=True)
+    cut = llm.generate([prompt], SamplingParams(truncate_prompt_tokens=7, **greedy))[0]
+    assert cut.prompt_token_ids == prompt[-7:]
+    assert cut.outputs[0].token_ids == llm.generate([prompt[-7:]], SamplingParams(**greedy))[0].outputs[0].token_ids
+    with pytest.raises(RequestError) as info:
+        llm.generate([prompt], SamplingParams(truncate_prompt_tokens=65, **greedy))
+    assert info.value.field == "truncate_prompt_tokens"
+    with pytest.raises(RequestError) as info:
+        SamplingParams(truncate_prompt_tokens=0)
+    assert info.value.field == "truncate_prompt_tokens"

@@ -189,3 +189,29 @@ def test_api_key_is_required_on_the_api_but_not_on_health(server):
     assert ok.status_code == 200
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
     assert metric(server, "pagoda_http_requests_total", route="/v1/completions", status="401") >= 2
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(server, client):
+    """vLLM's ``truncate_prompt_tokens`` on completions and chat: the prompt's last N tokens are what the
+    model sees (the same text as sending only them; echo shows them); -1 keeps what the context holds;
+    over max_model_len or below -1 is a 400 naming the field."""
+    kw = dict(model="tiny", temperature=0, max_tokens=5, extra_body={"ignore_eos": True})
+    ids = server.app.state.frontend.tokenizer.encode("the quick brown fox")
+    short = client.completions.create(prompt=ids[-6:], **kw)
+    cut = client.completions.create(prompt="the quick brown fox", **{
+        **kw, "extra_body": {"ignore_eos": True, "truncate_prompt_tokens": 6}})
+    assert cut.usage.prompt_tokens == 6 and cut.choices[0].text == short.choices[0].text
+    echoed = client.completions.create(prompt="the quick brown fox", echo=True, **{
+        **kw, "extra_body": {"ignore_eos": True, "truncate_prompt_tokens": 6}})
+    tail = server.app.state.frontend.tokenizer.decode(ids[-6:])
+    assert echoed.choices[0].text == tail + short.choices[0].text
+    whole = client.completions.create(prompt="the quick brown fox", **{
+        **kw, "extra_body": {"ignore_eos": True, "truncate_prompt_tokens": -1}})
+    assert whole.usage.prompt_tokens == len(ids)
+    chat = client.chat.completions.create(messages=CHAT, **{
+        **kw, "extra_body": {"ignore_eos": True, "truncate_prompt_tokens": 5}})
+    assert chat.usage.prompt_tokens == 5
+    for bad in (257, -5, 0):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(prompt="ab", **{**kw, "extra_body": {"truncate_prompt_tokens": bad}})
+        assert info.value.body["param"] == "truncate_prompt_tokens", info.value.body

@@ -50,6 +50,7 @@ class SamplingParams:
     bad_words: list[str] | None = None  # words that must not be generated
     logits_processors: list[str] | None = None  # names of logits processors the engine enabled
     structured_outputs: StructuredOutputsParams | None = None  # the output must match a grammar
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: max_model_len of them)
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -100,6 +101,10 @@ class SamplingParams:
             raise bad("repetition_penalty", "must be a finite number > 0")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX):
             raise bad("max_tokens", "must be an integer >= 1")
+        if self.truncate_prompt_tokens is not None and (
+                not _is_int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens == 0
+                or not -1 <= self.truncate_prompt_tokens <= INT64_MAX):
+            raise bad("truncate_prompt_tokens", "must be -1 (as many as the context holds) or an integer >= 1")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT64_MAX:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

@@ -33,7 +33,7 @@ from typing import Any
 from pagoda.config import EngineConfig
 from pagoda.distributed.dp_replica import ENV_ADDRESS, ENV_AUTHKEY, ENV_INDEX
 from pagoda.engine.executor.failures import WorkerError, describe_exit
-from pagoda.engine.prompt_ids import check_prompt_ids
+from pagoda.engine.prompt_ids import check_prompt_ids, truncate_prompt_ids
 from pagoda.engine.prompt_ids import prompt_token_ids as prompt_ids
 from pagoda.errors import ConfigError, RequestError
 from pagoda.outputs import CompletionOutput, RequestOutput
@@ -265,6 +265,7 @@ class DataParallelEngine:
             raise RequestError(f"request id {request_id!r} is already in use", field="request_id")
         text = prompt if isinstance(prompt, str) else None
         prompt_token_ids = prompt_ids(prompt, prompt_token_ids, self._tokenize)
+        prompt_token_ids = truncate_prompt_ids(prompt_token_ids, params.truncate_prompt_tokens, self.max_model_len)
         check_prompt_ids(prompt_token_ids, self.hf_config.vocab_size)
         if len(prompt_token_ids) >= self.max_model_len:
             raise RequestError(f"the prompt has {len(prompt_token_ids)} tokens; this model's max_model_len "

@@ -15,7 +15,7 @@ from pagoda.engine.executor.tensor_parallel import create_executor
 from pagoda.engine.kv_groups import blocks_for_one_sequence
 from pagoda.engine.model_runner import ModelRunner
 from pagoda.engine.pipeline import StepPipeline
-from pagoda.engine.prompt_ids import check_prompt_ids
+from pagoda.engine.prompt_ids import check_prompt_ids, truncate_prompt_ids
 from pagoda.engine.prompt_ids import prompt_token_ids as prompt_ids
 from pagoda.engine.request_controls import RequestControls
 from pagoda.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -210,7 +210,11 @@ class LLMEngine:
                 else [(None, "multi_modal_data")]
             mm_inputs = self.process_multimodal(list(prompt_token_ids), images)
         if mm_inputs is not None:
+            if params.truncate_prompt_tokens is not None:
+                raise RequestError("truncate_prompt_tokens cannot cut a prompt with images",
+                                   field="truncate_prompt_tokens")
             prompt_token_ids = mm_inputs.prompt_token_ids
+        prompt_token_ids = truncate_prompt_ids(prompt_token_ids, params.truncate_prompt_tokens, self.max_model_len)
         check_prompt_ids(prompt_token_ids, self.hf_config.vocab_size)
         budget = self.max_model_len - len(prompt_token_ids)
         if budget < 1:

@@ -25,3 +25,15 @@ def check_prompt_ids(token_ids: list[int], vocab_size: int) -> None:
         raise RequestError("the prompt is empty", field="prompt")
     if not all(type(t) is int and 0 <= t < vocab_size for t in token_ids):
         raise RequestError(f"prompt token ids must be integers in [0, {vocab_size})", field="prompt")
+
+
+def truncate_prompt_ids(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """``truncate_prompt_tokens`` (as vLLM): the prompt's last ``keep`` tokens, -1 meaning as many as
+    the context holds (max_model_len); None keeps the prompt whole. Over max_model_len is refused."""
+    if keep is None:
+        return token_ids
+    n = max_model_len if keep == -1 else keep
+    if n > max_model_len:
+        raise RequestError(f"truncate_prompt_tokens={keep} is over this model's max_model_len {max_model_len}",
+                           field="truncate_prompt_tokens")
+    return token_ids[-n:]

@@ -39,6 +39,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     mm_inputs = await process_images(fe, ids, images, "messages")
     if mm_inputs is not None:
         ids = mm_inputs.prompt_token_ids  # each placeholder expanded to its image's tokens
+    if body.truncate_prompt_tokens is not None:
+        if mm_inputs is not None:
+            raise bad_request("truncate_prompt_tokens cannot cut a prompt with images",
+                              param="truncate_prompt_tokens")
+        ids = fe.truncate_prompt(ids, body.truncate_prompt_tokens)
     grammar, field = body.structured_params()
     if grammar is not None:
         await fe.compile_grammar(grammar, field)

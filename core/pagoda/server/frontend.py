@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from pagoda.engine.async_engine import AsyncEngine, RequestStream, RequestTimeoutError
+from pagoda.engine.prompt_ids import truncate_prompt_ids
 from pagoda.errors import ModelLoadError, RequestError
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -141,6 +142,14 @@ class Frontend:
             await asyncio.wrap_future(manager.compile_async(params, field))
         except RequestError as exc:
             raise bad_request(str(exc), param=exc.field, code=exc.code) from exc
+
+    def truncate_prompt(self, ids: list[int], keep: int | None) -> list[int]:
+        """``truncate_prompt_tokens``: the prompt's last tokens (the engine's rule), before the output
+        budget is worked out; over max_model_len is a 400 naming the field."""
+        try:
+            return truncate_prompt_ids(ids, keep, self.max_model_len)
+        except RequestError as exc:
+            raise bad_request(str(exc), param=exc.field) from exc
 
     def max_tokens(self, prompt_len: int, requested: int | None, param: str, prompt_param: str,
                    default: int | None = None) -> int:

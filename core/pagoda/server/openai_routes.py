@@ -91,6 +91,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             text, ids = prompt, fe.encode(prompt, add_special_tokens=True, param=param)
         else:
             text, ids = None, list(prompt)
+        if body.truncate_prompt_tokens is not None:  # echo then shows the prompt the model saw
+            text, ids = None, fe.truncate_prompt(ids, body.truncate_prompt_tokens)
         max_tokens = fe.max_tokens(len(ids), body.max_tokens, "max_tokens", param, default=16)
         params = fe.sampling_params(body.sampling_params, max_tokens=max_tokens, logprobs=body.logprobs,
                                     structured_outputs=grammar)

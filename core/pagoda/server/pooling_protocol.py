@@ -7,20 +7,17 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, Field
+from pydantic import BaseModel, Field
 
 from pagoda.server.ollama_protocol import OllamaOptions
 from pagoda.server.openapi import limit
-from pagoda.server.protocol import MAX_NAME_CHARS, STRICT, Int, ModelName, TokenId, integral
+from pagoda.server.protocol import MAX_NAME_CHARS, STRICT, Int, ModelName, TokenId, Truncate
 
 MAX_INPUTS = 2048  # texts (or token-id lists) of one request
 MAX_INPUT_TOKENS = 1 << 20
 Text = Annotated[str, Field(max_length=1 << 22)]
 InputIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_INPUT_TOKENS)]
 Texts = Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)]
-Truncate = Annotated[Annotated[Literal[-1], BeforeValidator(integral)] | Annotated[Int, Field(ge=1)], Field(
-    json_schema_extra=limit("context_tokens"), description="keep the last N tokens of each input (-1: as many as "
-    "the context holds) instead of refusing an input over the context")]
 Dimensions = Annotated[Int, Field(ge=1, json_schema_extra=limit("dimensions"),
                                   description="keep the first N dimensions (Matryoshka), then normalize")]
 

@@ -46,6 +46,9 @@ def integral(value: object) -> object:
 Int = Annotated[int, BeforeValidator(integral)]
 TokenId = Annotated[Int, Field(ge=0, json_schema_extra=limit("token_id"))]
 TokenIds = Annotated[list[TokenId], Field(min_length=1, json_schema_extra=limit("prompt_tokens"))]
+Truncate = Annotated[Annotated[Literal[-1], BeforeValidator(integral)] | Annotated[Int, Field(ge=1)], Field(
+    json_schema_extra=limit("context_tokens"), description="keep the last N tokens of each input (-1: as many as "
+    "the context holds) instead of refusing an input over the context")]
 OutputTokens = Annotated[Int, Field(ge=1, json_schema_extra=limit("output_tokens"))]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Seed = Annotated[Int, Field(ge=INT64_MIN, le=INT64_MAX, json_schema_extra=limit("seed"))]
@@ -85,6 +88,7 @@ class SamplingFields(BaseModel):
 
     model: ModelName | None = Field(None, description="the served model (optional)")
     n: Int = Field(1, ge=1, json_schema_extra=limit("n"), description="completions to generate")
+    truncate_prompt_tokens: Truncate | None = None
     temperature: float | None = Field(None, ge=0, description="0: greedy; default 1")
     top_p: float | None = Field(None, gt=0, le=1)
     seed: Seed | None = Field(None, description="completion i of n uses seed + i")
@@ -135,7 +139,8 @@ class SamplingFields(BaseModel):
             skip_special_tokens=self.skip_special_tokens, prompt_logprobs=self.prompt_logprobs,
             logit_bias=None if self.logit_bias is None else {int(k): v for k, v in self.logit_bias.items()},
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
-            logits_processors=self.logits_processors, structured_outputs=structured_outputs)
+            logits_processors=self.logits_processors, structured_outputs=structured_outputs,
+            truncate_prompt_tokens=self.truncate_prompt_tokens)
 
     @property
     def include_usage(self) -> bool:
