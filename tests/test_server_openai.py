@@ -215,3 +215,23 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(server, client):
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(prompt="ab", **{**kw, "extra_body": {"truncate_prompt_tokens": bad}})
         assert info.value.body["param"] == "truncate_prompt_tokens", info.value.body
+
+
+def test_a_requests_own_chat_template_needs_the_servers_trust(server, client):
+    """A request's chat_template is code the server runs (a nested loop held a server for everyone), so it
+    is a 400 (`untrusted_chat_template`) unless the server trusts request templates, as vLLM's
+    --trust-request-chat-template; trusted, it renders the conversation."""
+    template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+    kw = dict(model="tiny", messages=CHAT, max_tokens=2, extra_body={"chat_template": template})
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**kw)
+    assert info.value.body["param"] == "chat_template" and info.value.body["code"] == "untrusted_chat_template"
+    fe = server.app.state.frontend
+    fe.config.trust_request_chat_template = True
+    try:
+        reply = client.chat.completions.create(**kw)
+        _, ids = fe.chat_prompt_ids(CHAT, chat_template=template)
+    finally:
+        fe.config.trust_request_chat_template = False
+    assert reply.usage.prompt_tokens == len(ids) == len(fe.tokenizer.encode("<Tell me a story.>",
+                                                                              add_special_tokens=False))

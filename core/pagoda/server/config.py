@@ -43,6 +43,9 @@ class ServerConfig(BaseModel):
     access_log: bool = Field(False, description="log every HTTP request (uvicorn access log)")
     chat_template: str | None = Field(None, description="a Jinja chat template (a file, or the template itself) "
                                       "used instead of the model's")
+    trust_request_chat_template: bool = Field(False, description="accept a chat request's own chat_template "
+                                              "(it runs on the server: a hostile template can hold it for "
+                                              "everyone); off: such a request is a 400")
     default_chat_template_kwargs: dict = Field(default_factory=dict, description="variables every chat request "
                                                "passes its chat template, e.g. {enable_thinking: false}; a "
                                                "request's chat_template_kwargs override them")

@@ -113,6 +113,10 @@ class Frontend:
                     chat_template_kwargs: dict | None = None, continue_final_message: bool = False) -> str:
         """The prompt text of a conversation: the request's chat_template, else the server's, else the
         model's; the server's default_chat_template_kwargs under the request's."""
+        if chat_template is not None and not self.config.trust_request_chat_template:
+            raise bad_request("this server does not run a request's own chat_template (a template is code run on "
+                              "the server); start it with --trust-request-chat-template to allow it, or use its "
+                              "--chat-template", param="chat_template", code="untrusted_chat_template")
         kwargs = {**self.config.default_chat_template_kwargs, **(chat_template_kwargs or {})}
         for reserved in ("messages", "tools", "add_generation_prompt", "chat_template", "continue_final_message",
                          "tokenize", "conversation"):

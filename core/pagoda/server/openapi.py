@@ -194,7 +194,8 @@ class OllamaError(BaseModel):
 
 # Codes of 400s that a schema cannot express (relations between fields, or with the prompt's tokens).
 SEMANTIC_400_CODES = ("context_length_exceeded", "invalid_combination", "chat_template_error", "invalid_prompt",
-                      "invalid_grammar", "token_out_of_vocabulary", "invalid_image", "unsupported_task")
+                      "invalid_grammar", "token_out_of_vocabulary", "invalid_image", "unsupported_task",
+                      "untrusted_chat_template")
 
 ERROR_STATUSES = {
     400: "Invalid request: a field of the wrong type or out of range (`param` names it), or one of the codes "
