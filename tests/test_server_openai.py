@@ -235,3 +235,20 @@ def test_a_requests_own_chat_template_needs_the_servers_trust(server, client):
         fe.config.trust_request_chat_template = False
     assert reply.usage.prompt_tokens == len(ids) == len(fe.tokenizer.encode("<Tell me a story.>",
                                                                               add_special_tokens=False))
+
+
+def test_prompts_are_tokenized_off_the_event_loop(server, client, monkeypatch):
+    """Rendering and tokenizing a prompt (tens of ms for a long one) runs on the frontend's tokenizer
+    thread, so it does not stall the event loop that streams every other request."""
+    import threading
+
+    fe = server.app.state.frontend
+    seen = []
+    encode, render = fe.encode, fe.chat_prompt_ids
+    monkeypatch.setattr(fe, "encode",
+                        lambda *a, **k: (seen.append(threading.current_thread().name), encode(*a, **k))[1])
+    monkeypatch.setattr(fe, "chat_prompt_ids",
+                        lambda *a, **k: (seen.append(threading.current_thread().name), render(*a, **k))[1])
+    client.completions.create(model="tiny", prompt="ab", max_tokens=2)
+    client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2)
+    assert len(seen) >= 2 and all(name.startswith("pagoda-tokenize") for name in seen), seen

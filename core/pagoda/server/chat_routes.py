@@ -33,9 +33,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     fe.check_request(body)
     tools = body.tool_definitions()
     messages, images = await take_images(fe, body.conversation())  # image_url parts -> placeholders
-    text, ids = fe.chat_prompt_ids(messages, body.add_generation_prompt, tools=tools,
-                                   chat_template=body.chat_template, chat_template_kwargs=body.chat_template_kwargs,
-                                   continue_final_message=body.continue_final_message)
+    text, ids = await fe.off_loop(fe.chat_prompt_ids, messages, body.add_generation_prompt, tools=tools,
+                                  chat_template=body.chat_template, chat_template_kwargs=body.chat_template_kwargs,
+                                  continue_final_message=body.continue_final_message)
     mm_inputs = await process_images(fe, ids, images, "messages")
     if mm_inputs is not None:
         ids = mm_inputs.prompt_token_ids  # each placeholder expanded to its image's tokens

@@ -5,6 +5,8 @@ aborting the request when the client goes away)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -69,6 +71,14 @@ class Frontend:
         self.adapters = ServedAdapters(engine, self.model_name, parse_lora_modules(config.lora_modules),
                                        config.enable_lora_runtime_updates)
         self.limits = self.adapters.served_limits(self.limits, config.enable_lora_runtime_updates)
+        # prompts are rendered and tokenized on this thread, not the event loop: a long prompt (tens of ms)
+        # would otherwise stall every stream; one thread, so the tokenizer is used as from one caller
+        self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagoda-tokenize")
+
+    async def off_loop(self, fn, /, *args, **kwargs):
+        """``fn(*args, **kwargs)`` on the tokenizer thread (prompt rendering and tokenization)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_thread, functools.partial(fn, *args, **kwargs))
 
     # ------------------------------------------------------------------ request checks
     def check_request(self, body) -> None:

@@ -88,12 +88,14 @@ async def generate(body: OllamaGenerateRequest, request: Request) -> Response:
     has_template = fe.tokenizer is not None and (fe.chat_template or getattr(fe.tokenizer, "chat_template", None))
     if body.raw or not has_template:
         text = (body.system + "\n" if body.system and not body.raw else "") + body.prompt
-        ids = fe.encode(text, add_special_tokens=not body.context, param="prompt", allow_empty=bool(body.context))
+        ids = await fe.off_loop(fe.encode, text, add_special_tokens=not body.context, param="prompt",
+                                allow_empty=bool(body.context))
     else:
         messages = ([{"role": "system", "content": body.system}] if body.system else [])
         messages.append({"role": "user", "content": ollama_image_parts(body.images, body.prompt)})
         messages, images = await take_images(fe, messages, ollama_field("images"))
-        text, ids = fe.chat_prompt_ids(messages, param="prompt", chat_template_kwargs=body.template_kwargs())
+        text, ids = await fe.off_loop(fe.chat_prompt_ids, messages, param="prompt",
+                                      chat_template_kwargs=body.template_kwargs())
     ids = list(body.context or []) + ids
     mm_inputs = await process_images(fe, ids, ollama_images(body.images, "images", images), "prompt")
     output = ChatOutput(fe.tokenizer, fe.reasoning_parser, None, None, False, text)
@@ -110,7 +112,8 @@ async def chat(body: OllamaChatRequest, request: Request) -> Response:
     fe.check_request(body)
     tools = [t.model_dump() for t in body.tools] if body.tools else None
     messages, images = await take_images(fe, [m.for_template() for m in body.messages], ollama_field())
-    text, ids = fe.chat_prompt_ids(messages, tools=tools, chat_template_kwargs=body.template_kwargs())
+    text, ids = await fe.off_loop(fe.chat_prompt_ids, messages, tools=tools,
+                                  chat_template_kwargs=body.template_kwargs())
     rename = ollama_field()
     mm_inputs = await process_images(fe, ids, [(im, rename(where)) for im, where in images], "messages")
     output = ChatOutput(fe.tokenizer, fe.reasoning_parser, fe.tool_parser if tools else None, tools, False, text)

@@ -88,7 +88,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     for i, prompt in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         if isinstance(prompt, str):
-            text, ids = prompt, fe.encode(prompt, add_special_tokens=True, param=param)
+            text, ids = prompt, await fe.off_loop(fe.encode, prompt, add_special_tokens=True, param=param)
         else:
             text, ids = None, list(prompt)
         if body.truncate_prompt_tokens is not None:  # echo then shows the prompt the model saw
