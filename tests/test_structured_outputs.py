@@ -237,14 +237,19 @@ def test_masks_filled_ahead_give_the_same_outputs(llm):
 def test_a_stale_or_failed_fill_ahead_is_filled_in_the_step(tokenizer):
     """A row whose matcher accepted a token after the fill ahead started is filled again; a fill
     ahead that raised leaves every row to the step's own fill."""
+    from types import SimpleNamespace
+
     from pagoda.structured_outputs.mask_ahead import MaskAhead
+
+    def running(matcher):  # what start() reads of a sequence
+        return SimpleNamespace(grammar=matcher, is_finished=False, request_id="r")
 
     manager = StructuredOutputManager("xgrammar", tokenizer, VOCAB, [tokenizer.eos_token_id])
     grammar = manager.compile(StructuredOutputsParams(regex="ab+c"))
     first, second = grammar.matcher(), grammar.matcher()
     ahead, words = MaskAhead(), (VOCAB + 31) // 32
     ahead.width = words
-    ahead.start([first, second])
+    ahead.start([running(first), running(second)])
     first.accept(tokenizer.convert_tokens_to_ids("a"))  # (the engine waits first; here: made stale on purpose)
     bitmask = torch.zeros(2, words, dtype=torch.int32)
     missing = ahead.take(bitmask, [(first, 0), (second, 1)])
@@ -259,7 +264,7 @@ def test_a_stale_or_failed_fill_ahead_is_filled_in_the_step(tokenizer):
         def fill_bitmask(self, bitmask, row):
             raise RuntimeError("no")
 
-    ahead.start([Broken()])
+    ahead.start([running(Broken())])
     assert ahead.take(torch.zeros(1, words, dtype=torch.int32), [(second, 0)]) == [(second, 0)]
     ahead.close()
 

@@ -66,6 +66,7 @@ class DecodeGraphs:
         self.np64 = self.host64.numpy()
         self.np32 = self.host32.numpy()
         self.np_tables = self.host_tables.numpy()
+        self.np_tiles = self.host_tiles.numpy()
         # what each table row holds: (seq_id, num_preemptions) and how many blocks were written
         self.row_owner: list[tuple[int, int] | None] = [None] * b
         self.row_blocks = [0] * b
@@ -136,7 +137,7 @@ class DecodeGraphs:
             order = np.argsort(h64[2 + self.num_groups, :bucket], kind="stable")
             h64[3 + self.num_groups, :bucket] = order
             width = max_tiles(bucket, self.lora.max_loras)
-            self.host_tiles.numpy()[:, :width] = token_tiles(h64[2 + self.num_groups, :bucket][order], pad_to=width)
+            self.np_tiles[:, :width] = token_tiles(h64[2 + self.num_groups, :bucket][order], pad_to=width)
         h32[0, :n] = pos + 1
         h32[0, n:bucket] = 1
         h32[1, :n] = pos + 1  # a decoding sequence's length is its computed tokens + the new one

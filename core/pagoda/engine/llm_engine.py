@@ -261,9 +261,8 @@ class LLMEngine:
         every running request's partial output each step costs host time)."""
         if self.pooling is not None:  # prefill-only steps: outputs of the requests that finished
             return self.pooling.step()
-        ahead = self.pipeline
-        if ahead is not None and (finished_only or self.config.async_scheduling or ahead.pending is not None):
-            outputs = ahead.step(finished_only)
+        if self.pipeline is not None:  # (None back: this step is not for the pipeline)
+            outputs = self.pipeline.step(finished_only)
             if outputs is not None:
                 return outputs
         t0 = time.perf_counter()
@@ -317,8 +316,7 @@ class LLMEngine:
             touched = self.scheduler.update(out, sampled, self.eos_token_ids)
         for seq in self.controls.ended(touched):  # its grammar is complete
             self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
-        self.mask_ahead.start([s.grammar for s in seqs if s.grammar is not None and not s.is_finished
-                               and s.request_id not in broken])
+        self.mask_ahead.start(seqs, broken)
         outputs = self._process_outputs(touched, finished_only, failed=list(broken))
         t3 = time.perf_counter()
         tm = self.times

@@ -9,7 +9,7 @@ sampler of the next step takes the rows that are still valid (the same matcher, 
 since) and fills only the others itself, as before.
 
     ahead = MaskAhead()
-    ahead.start(sequences)              # after a step: their grammars just advanced
+    ahead.start(sequences, broken)      # after a step: their grammars just advanced
     missing = ahead.take(bitmask, rows) # in the sampler: rows filled ahead are copied in
     ahead.wait()                        # before any matcher advances again
 """
@@ -36,11 +36,15 @@ class MaskAhead:
         self.width: int | None = None  # words per mask row (the model's vocabulary / 32), from the sampler
         self.rows_used = 0  # rows the sampler took from a fill ahead (tests, stats)
 
-    def start(self, matchers: list[GrammarMatcher]) -> None:
-        """Fill the next masks of these matchers on the worker thread (nothing before the sampler
-        has told the vocabulary width, nor for grammars that are complete)."""
-        live = [m for m in matchers if not m.terminated]
-        if not live or self.width is None:
+    def start(self, seqs, broken=()) -> None:
+        """Fill the next masks of these sequences' grammars on the worker thread: those still running,
+        not of a ``broken`` request and not complete (nothing before the sampler has told the
+        vocabulary width, i.e. before any constrained step: unconstrained engines pay nothing)."""
+        if self.width is None:
+            return
+        live = [s.grammar for s in seqs if s.grammar is not None and not s.grammar.terminated
+                and not s.is_finished and s.request_id not in broken]
+        if not live:
             return
         self.wait()
         self._ready = None
