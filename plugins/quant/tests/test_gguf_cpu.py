@@ -8,7 +8,11 @@ import torch
 from pagoda import LLM, SamplingParams
 from pagoda.testing.gguf_files import random_blocks, write_tiny_llama_gguf
 from pagoda_quant.formats.gguf_blocks import SUPPORTED, decode, to_planes
+from pagoda_quant.kernels import cpu_int8dot
 from pagoda_quant.kernels.cpu_int4pack import DEQUANT_ROWS, PackedPlane, planes_linear
+from pagoda_quant.kernels.cpu_int8dot import I8, Q4, DotWeight, dot_linear
+
+needs_int8dot = pytest.mark.skipif(not cpu_int8dot.available(), reason="no C compiler or no AVX2/FMA on this CPU")
 
 # The kernel takes bfloat16 activations and bfloat16 (scale, zero) pairs: each product carries
 # about 2^-8 relative error, so a K-long dot product is off by ~2^-8 of the sum of |x w| at worst.
@@ -46,6 +50,53 @@ def test_packed_matmul_matches_the_dequantized_reference(ggml_type, rows):
     torch.testing.assert_close(rows_got, weight[ids], atol=REL * float(weight.abs().max()), rtol=0)
 
 
+@needs_int8dot
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])  # row tiles of 4, and a partial one
+@pytest.mark.parametrize("ggml_type", SUPPORTED)
+def test_int8_dot_matmul_is_the_reference_with_int8_activations(ggml_type, rows, threads):
+    """The dot-product kernel computes the dequantized weights times activations rounded to int8 per 32
+    inputs (scale max|x| / 127): its error is within what that rounding allows, sum |w| s / 2."""
+    rng = np.random.default_rng(3)
+    raw = random_blocks(40, 512, ggml_type, rng)  # 40 rows: two tasks of 16 and a partial one
+    weight = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[ggml_type]))
+    dot = DotWeight.from_codes(decode(torch.from_numpy(raw), ggml_type))
+    assert dot.layout == (Q4 if ggml_type in ("Q4_0", "Q4_1", "Q4_K") else I8)
+    torch.testing.assert_close(dot.widen(), weight, rtol=1e-6, atol=1e-6 * float(weight.abs().max()))
+    ids = torch.tensor([0, 17, 39, 5])
+    torch.testing.assert_close(dot.rows(ids), weight[ids], rtol=1e-6, atol=1e-6 * float(weight.abs().max()))
+    x = torch.from_numpy(rng.standard_normal((rows, 512)).astype(np.float32))
+    x[0, :32] *= 50  # one group of large values: its scale must not spill into the others
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = dot_linear(x, dot)
+    finally:
+        torch.set_num_threads(before)
+    step = x.view(rows, -1, 32).abs().amax(-1) / 127  # [rows, K/32]
+    bound = 0.5 * weight.abs() @ step.repeat_interleave(32, dim=1).t()  # [N, rows]
+    want = x.double() @ weight.double().t()
+    slack = 1e-5 * (x.abs() @ weight.abs().t())
+    assert got.shape == (rows, 40) and bool(((got - want).abs() <= bound.t() * 1.001 + slack).all())
+    assert float((got - want).abs().max()) > 0  # the activations really are rounded (not a float path)
+
+
+@needs_int8dot
+def test_int8_dot_results_do_not_depend_on_the_thread_count_or_the_batch():
+    """Rows are independent: a row's output is the same alone, in a batch, and with two threads."""
+    rng = np.random.default_rng(4)
+    dot = DotWeight.from_codes(decode(torch.from_numpy(random_blocks(70, 256, "Q4_K", rng)), "Q4_K"))
+    x = torch.randn(6, 256)
+    alone = torch.cat([dot_linear(x[i:i + 1], dot) for i in range(6)])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        together = dot_linear(x, dot)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(alone, together)
+
+
 K_QUANTS = {"token_embd": "Q4_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K",
             "ffn_gate": "Q5_K", "ffn_up": "Q5_K", "ffn_down": "Q6_K", "output": "Q6_K"}
 
@@ -55,15 +106,29 @@ def k_quant_file(tmp_path_factory):
     return write_tiny_llama_gguf(tmp_path_factory.mktemp("gguf") / "tiny-Q4_K_M.gguf", K_QUANTS, seed=0)
 
 
-def test_k_quant_file_generates_the_dequantized_models_greedy_tokens(k_quant_file):
+@pytest.fixture(params=["int8dot", "int4pack"])
+def kernel(request, monkeypatch):
+    """Each CPU kernel in turn (PAGODA_CPU_GGUF_KERNEL=int4pack turns the dot-product kernel off)."""
+    if request.param == "int8dot" and not cpu_int8dot.available():
+        pytest.skip("no C compiler or no AVX2/FMA on this CPU")
+    monkeypatch.setenv("PAGODA_CPU_GGUF_KERNEL", request.param)
+    return request.param
+
+
+def test_k_quant_file_generates_the_dequantized_models_greedy_tokens(k_quant_file, kernel):
     kw = dict(model=str(k_quant_file), device="cpu", max_model_len=128, num_kv_blocks=32, block_size=8)
     packed = LLM(**kw)
     reference = LLM(**kw, quantization="none")  # the float path: every block widened at load
     model = packed.engine.runner.model
     assert model.quant_config.name == "gguf" and reference.engine.runner.model.quant_config is None
     qkv = model.model.layers[0].self_attn.qkv_proj
-    assert [len(s.planes) for s in qkv.gguf_segments] == [1, 4]  # q+k Q4_K: one plane; v Q6_K: two halves x2
-    assert not hasattr(qkv, "weight") and model.lm_head.gguf_segments[0].planes is not None
+    if kernel == "int8dot":  # q+k Q4_K: 4-bit codes; v Q6_K: signed bytes in groups of 16
+        assert [(s.dot.layout, s.dot.group) for s in qkv.gguf_segments] == [(Q4, 32), (I8, 16)]
+        assert model.lm_head.gguf_segments[0].dot is not None
+    else:  # q+k Q4_K: one plane; v Q6_K: two halves x2
+        assert [len(s.planes) for s in qkv.gguf_segments] == [1, 4]
+        assert model.lm_head.gguf_segments[0].planes is not None
+    assert not hasattr(qkv, "weight")
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = ["hello there", "the cat in the hat", "abc"]
     ours = [o.outputs[0].token_ids for o in packed.generate(prompts, greedy)]
@@ -74,8 +139,9 @@ def test_k_quant_file_generates_the_dequantized_models_greedy_tokens(k_quant_fil
     assert float((a - b).abs().max()) < 0.05 * float(b.abs().max())
 
 
-def test_packed_weights_stay_near_the_files_size(k_quant_file):
-    """Resident weight bytes of the linear layers: the file's blocks plus bf16 scales per plane."""
+def test_packed_weights_stay_near_the_files_size(k_quant_file, kernel):
+    """Resident weight bytes of the linear layers: 4-bit or 8-bit codes and float32 scales per group (the
+    dot-product kernel), or 4-bit planes and bf16 scales (torch's int4 kernel)."""
     model = LLM(model=str(k_quant_file), device="cpu", max_model_len=128, num_kv_blocks=8).engine.runner.model
     layer = model.model.layers[0]
     packed = sum(m.quant_method.weight_bytes(m) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
@@ -86,25 +152,25 @@ def test_packed_weights_stay_near_the_files_size(k_quant_file):
          "ffn_up.weight", "ffn_down.weight")))
     float32 = 4 * sum(int(np.prod(t.shape)) for t in reader.tensors if t.name.startswith("blk.0.")
                       and "norm" not in t.name)
-    # 4-bit planes: Q4_K 1, Q5_K 2, Q6_K 4 (groups of 16 take two passes): about twice this file (Q6_K is
-    # half of it), well under float32
+    # 4-bit planes: Q4_K 1, Q5_K 2, Q6_K 4 (groups of 16 take two passes); dot-product layouts: Q4_K
+    # 0.75 bytes per weight, Q5_K 1.25, Q6_K 1.5: about twice this file, well under float32
     assert packed < 2.2 * stored and packed < float32 / 2.5
 
 
-def test_mixed_fused_layer_and_unsupported_types_fall_back_to_float(tmp_path):
+def test_mixed_fused_layer_and_unsupported_types_fall_back_to_float(tmp_path, kernel):
     """A Q2_K tensor (no packed decoder) arrives dequantized and computes in float beside packed pieces."""
     path = write_tiny_llama_gguf(tmp_path / "mixed.gguf", {"attn_q": "Q2_K", "attn_k": "Q8_0", "attn_v": "F16",
                                                            "ffn_up": "Q4_0"}, default_type="Q5_0", tied=True)
     kw = dict(model=str(path), device="cpu", max_model_len=64, num_kv_blocks=16, block_size=8)
     packed, reference = LLM(**kw), LLM(**kw, quantization="none")
     qkv = packed.engine.runner.model.model.layers[1].self_attn.qkv_proj
-    assert [s.planes is None for s in qkv.gguf_segments] == [True, False, True]
+    assert [s.planes is None and s.dot is None for s in qkv.gguf_segments] == [True, False, True]
     ids = [5, 80, 120, 33, 9]
     a, b = packed.prompt_logits(ids), reference.prompt_logits(ids)
     assert float((a - b).abs().max()) < 0.05 * float(b.abs().max())
 
 
-def test_packed_planes_are_cached_and_mapped_on_the_next_load(k_quant_file, tmp_path, monkeypatch, caplog):
+def test_packed_planes_are_cached_and_mapped_on_the_next_load(k_quant_file, tmp_path, monkeypatch, caplog, kernel):
     """The first load writes the file's packed planes to the cache; the next maps them (nothing packed,
     the file not rewritten) and generates the same tokens; a broken cache file is packed again and
     replaced; PAGODA_GGUF_CACHE=0 writes nothing."""

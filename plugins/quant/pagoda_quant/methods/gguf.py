@@ -2,8 +2,10 @@
 
 On the CPU (chosen automatically there for every .gguf model, see docs/cpu.md) every linear layer, the
 LM head and the embedding keep the file's blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K
-are decoded once into 4-bit digit planes (``formats.gguf_blocks``) and packed for torch's CPU int4
-kernel (``kernels.cpu_int4pack``); the embedding reads its rows from the file's blocks (the mapped
+are decoded once (``formats.gguf_blocks``) into the layouts of the int8 dot-product kernel
+(``kernels.cpu_int8dot``, x86 with AVX2 and a C compiler), else into 4-bit digit planes packed for
+torch's CPU int4 kernel (``kernels.cpu_int4pack``); prefill chunks of 128 rows or more widen each
+weight once per call and run the float GEMM. The embedding reads its rows from the file's blocks (the mapped
 file, no copy) and decodes only the rows a step looks up. Fused layers whose pieces have different
 types (a Q4_K_M file's q/k in Q4_K and v in Q6_K) keep one segment per type. Tensors of other types
 (Q2_K, Q3_K, IQ*) arrive dequantized and compute in float.
@@ -86,22 +88,33 @@ class GgufQ4_1Method(Int4KernelLayout):
 
 # ---------------------------------------------------------------------------------------------- CPU
 class _Segment:
-    """Consecutive output rows of one layer in one representation: int4 planes, or a float weight."""
+    """Consecutive output rows of one layer in one representation: a weight for the int8 dot-product
+    kernel, int4 planes for torch's kernel, or a float weight."""
 
-    def __init__(self, rows: int, planes=None, weight: torch.Tensor | None = None):
-        self.rows, self.planes, self.weight = rows, planes, weight
+    def __init__(self, rows: int, planes=None, weight: torch.Tensor | None = None, dot=None):
+        self.rows, self.planes, self.weight, self.dot = rows, planes, weight, dot
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from pagoda_quant.kernels.cpu_int4pack import planes_linear
+        from pagoda_quant.kernels.cpu_int4pack import DEQUANT_ROWS, planes_linear
 
+        if self.dot is not None:
+            if x.numel() >= DEQUANT_ROWS * x.shape[-1]:  # a prefill chunk: widen once, the float GEMM
+                return F.linear(x, self.dot.widen().to(x.dtype))
+            from pagoda_quant.kernels.cpu_int8dot import dot_linear
+
+            return dot_linear(x, self.dot)
         return planes_linear(x, self.planes) if self.planes is not None else F.linear(x, self.weight.to(x.dtype))
 
     def widen(self) -> torch.Tensor:
+        if self.dot is not None:
+            return self.dot.widen()
         if self.planes is None:
             return self.weight.float()
         return sum(p.widen() for p in self.planes)
 
     def nbytes(self) -> int:
+        if self.dot is not None:
+            return self.dot.nbytes()
         if self.planes is None:
             return self.weight.numel() * self.weight.element_size()
         return sum(p.nbytes() for p in self.planes)
@@ -113,6 +126,8 @@ PACK_ROWS = 4096  # rows decoded and packed at a time: the transient codes stay 
 def _segments(pieces: list[tuple[torch.Tensor, str | None]], dtype: torch.dtype) -> list[_Segment]:
     """(rows, GGML type or None for float) per fused piece, in output order -> segments, pieces of one
     type merged (one kernel call for q, k and v when they share a type)."""
+    from pagoda_quant.kernels import cpu_int8dot
+
     runs: list[list] = []
     for tensor, kind in pieces:
         if runs and runs[-1][0] == kind:
@@ -124,6 +139,8 @@ def _segments(pieces: list[tuple[torch.Tensor, str | None]], dtype: torch.dtype)
         rows = sum(t.shape[0] for t in tensors)
         if kind is None:
             out.append(_Segment(rows, weight=torch.cat([t.to(dtype) for t in tensors])))
+        elif cpu_int8dot.available():
+            out.append(_Segment(rows, dot=_dot_weight(tensors, kind)))
         elif rows % 16:  # the packed layout works in blocks of 16 output rows
             out.append(_Segment(rows, weight=torch.cat([decode(t, kind).dequantize().to(dtype) for t in tensors])))
         else:
@@ -131,6 +148,27 @@ def _segments(pieces: list[tuple[torch.Tensor, str | None]], dtype: torch.dtype)
         for t in tensors:
             release_file_pages(t)
     return out
+
+
+def _dot_weight(tensors: list[torch.Tensor], kind: str):
+    """The rows of ``tensors`` (block rows of one type) in the int8 dot-product kernel's layout, decoded a
+    few thousand rows at a time into preallocated tensors."""
+    from pagoda_quant.kernels.cpu_int8dot import DotWeight
+
+    chunks = [t[i:i + PACK_ROWS] for t in tensors for i in range(0, t.shape[0], PACK_ROWS)]
+    if len(chunks) == 1:
+        return DotWeight.from_codes(decode(chunks[0], kind))
+    total = sum(c.shape[0] for c in chunks)
+    whole, row = None, 0
+    for c in chunks:
+        part = DotWeight.from_codes(decode(c, kind))
+        if whole is None:
+            whole = DotWeight(part.layout, part.group, *(t.new_empty((total, *t.shape[1:])) for t in
+                                                         (part.codes, part.scale, part.offset)))
+        for dst, src in ((whole.codes, part.codes), (whole.scale, part.scale), (whole.offset, part.offset)):
+            dst[row:row + part.n].copy_(src)
+        row += part.n
+    return whole
 
 
 def _cached_segments(config: GgufConfig | None, name: str, pieces, dtype: torch.dtype) -> list[_Segment]:
@@ -299,9 +337,11 @@ class GgufConfig(PolicyConfig):
             from pagoda.distributed import get_tp_size
             from pagoda.kernels import active_platform
 
+            from pagoda_quant.kernels import cpu_int8dot
             from pagoda_quant.kernels.cpu_int4pack import kernel_available
 
-            self._cpu = active_platform() == "cpu" and get_tp_size() == 1 and kernel_available()
+            self._cpu = active_platform() == "cpu" and get_tp_size() == 1 and (kernel_available()
+                                                                              or cpu_int8dot.available())
         return self._cpu
 
     def gguf_keeps_raw(self, name: str, ggml_type: str) -> bool:
@@ -371,5 +411,9 @@ class GgufConfig(PolicyConfig):
 
     def describe(self) -> str:
         if self.cpu:
+            from pagoda_quant.kernels import cpu_int8dot
+
+            if cpu_int8dot.available():
+                return "gguf: the file's quantized blocks on the CPU's int8 dot-product kernel (not widened)"
             return "gguf: the file's quantized blocks as packed int4 planes on torch's CPU kernel (not widened)"
         return "gguf: Q4_1 linear weights of a GGUF file computed as INT4 (group 32), not dequantized"

@@ -1,4 +1,4 @@
-"""A cache of a GGUF file's packed int4 planes, so that later starts map them instead of repacking.
+"""A cache of a GGUF file's weights in the CPU kernel's layout, so that later starts map them instead of repacking.
 
 Decoding a file's blocks into 4-bit digit planes and packing them for torch's CPU kernel is most of
 ``LLM()``'s time on the CPU (docs/cpu.md). The planes depend only on the file, torch's packed layout
@@ -26,22 +26,32 @@ import torch
 
 logger = logging.getLogger("pagoda")
 
-FORMAT = 1  # bump when the entries' layout changes
+FORMAT = 2  # bump when the entries' layout changes
 
 
-def cache_dir() -> Path | None:
-    """Where the caches go; None when PAGODA_GGUF_CACHE=0."""
-    if os.environ.get("PAGODA_GGUF_CACHE", "1") in ("0", "false", "no", "off"):
-        return None
+def cache_root() -> Path:
+    """pagoda's cache folder: $PAGODA_CACHE_DIR, else $XDG_CACHE_HOME/pagoda, else ~/.cache/pagoda."""
     root = os.environ.get("PAGODA_CACHE_DIR")
     if not root:
         xdg = os.environ.get("XDG_CACHE_HOME")
         root = os.path.join(xdg, "pagoda") if xdg else os.path.join(os.path.expanduser("~"), ".cache", "pagoda")
-    return Path(root) / "gguf-packed"
+    return Path(root)
+
+
+def cache_dir() -> Path | None:
+    """Where the packed-weight caches go; None when PAGODA_GGUF_CACHE=0."""
+    if os.environ.get("PAGODA_GGUF_CACHE", "1") in ("0", "false", "no", "off"):
+        return None
+    return cache_root() / "gguf-packed"
 
 
 def _layout_signature() -> str:
-    """The packed layout of this torch on this CPU, as the bytes of a packed probe."""
+    """The kernel the weights are laid out for: the int8 dot-product kernel's layouts (fixed), or the packed
+    layout of torch's int4 kernel on this CPU, as the bytes of a packed probe."""
+    from pagoda_quant.kernels import cpu_int8dot
+
+    if cpu_int8dot.available():
+        return "int8dot"
     probe = (torch.arange(64 * 64, dtype=torch.int32).view(64, 64) * 7 + 3) % 16
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1)
     return hashlib.sha256(packed.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
@@ -67,6 +77,7 @@ class PackedCache:
     def get(self, name: str):
         """The layer's segments as cached (planes mapped from the file), or None."""
         from pagoda_quant.kernels.cpu_int4pack import PackedPlane
+        from pagoda_quant.kernels.cpu_int8dot import DotWeight
         from pagoda_quant.methods.gguf import _Segment
 
         entry = self.entries.get(name)
@@ -74,6 +85,9 @@ class PackedCache:
             return None
         segments = []
         for seg in entry:
+            if "dot" in seg:
+                segments.append(_Segment(seg["rows"], dot=DotWeight.from_state(seg["dot"])))
+                continue
             planes = []
             for p in seg["planes"]:
                 plane = PackedPlane.__new__(PackedPlane)
@@ -85,12 +99,12 @@ class PackedCache:
         return segments
 
     def put(self, name: str, segments) -> None:
-        """Remember a layer's segments (only when every segment is packed planes)."""
-        if any(s.planes is None for s in segments):
+        """Remember a layer's segments (only when none of them is a float weight)."""
+        if any(s.planes is None and s.dot is None for s in segments):
             return
-        self.entries[name] = [{"rows": s.rows, "planes": [
-            {"n": p.n, "k": p.k, "packed": p.packed, "scales_zeros": p.scales_zeros, "codes": p.codes}
-            for p in s.planes]} for s in segments]
+        self.entries[name] = [{"rows": s.rows, "dot": s.dot.state()} if s.dot is not None else {
+            "rows": s.rows, "planes": [{"n": p.n, "k": p.k, "packed": p.packed, "scales_zeros": p.scales_zeros,
+                                        "codes": p.codes} for p in s.planes]} for s in segments]
         self.new += 1
 
     def save(self) -> None:

@@ -1,0 +1,211 @@
+/* Integer dot-product matmuls for GGUF weights on x86 CPUs with AVX2 (compiled at first use by
+ * cpu_int8dot.py; see its docstring for why this is not a torch kernel).
+ *
+ * out[M, N] = x[M, K] @ W.T with W held per output row and per group of 32 (or 16) inputs as integer
+ * codes c and an affine map w = S * c + O. The activations are quantized per row and per 32 inputs to
+ * int8 (a = round(x / s), s = max|x| / 127), so that a group's sum of c * a is a few integer
+ * multiply-adds (vpmaddubsw, vpmaddwd) and the float work is one fused multiply-add per group:
+ *
+ *     sum_k w_k x_k ~= sum_groups  S s (sum c a)  +  O (s sum a)
+ *
+ * Two weight layouts:
+ *   q4: codes 0..15, two per byte, [N, K/2]; in each group of 32, byte j holds code j (low nibble)
+ *       and code j + 16 (high nibble), as GGUF's Q4 blocks do; groups of 32.
+ *   i8: signed codes -128..127, one per byte, [N, K]; groups of 32 or 16.
+ * S and O are float32 [N, K / group].
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PAGODA_SIMD 1
+#else
+#define PAGODA_SIMD 0
+#endif
+
+int pagoda_simd(void) { return PAGODA_SIMD; }
+
+#if PAGODA_SIMD
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline int hsum8i(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* One row x [K] -> int8 codes q [K], scales s [K/32], and per half-group of 16 s * (sum of codes) [K/16]. */
+static void quantize_row(const float *x, int64_t k, int8_t *q, float *s, float *hs) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t g = 0; g < k / 32; g++) {
+        const float *xg = x + 32 * g;
+        __m256 v0 = _mm256_loadu_ps(xg), v1 = _mm256_loadu_ps(xg + 8);
+        __m256 v2 = _mm256_loadu_ps(xg + 16), v3 = _mm256_loadu_ps(xg + 24);
+        __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                    _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        float scale = _mm_cvtss_f32(m) / 127.0f;
+        __m256 inv = _mm256_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
+        /* round to nearest (the default rounding mode) */
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv));
+        __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
+        s[g] = scale;
+        hs[2 * g] = scale * (float)hsum8i(_mm256_add_epi32(i0, i1));
+        hs[2 * g + 1] = scale * (float)hsum8i(_mm256_add_epi32(i2, i3));
+        /* packs work within 128-bit lanes: permute the 32-bit pieces back into order */
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+        _mm256_storeu_si256((__m256i *)(q + 32 * g), _mm256_permutevar8x32_epi32(p, order));
+    }
+}
+
+/* The 32 codes of group g of a q4 row, one per byte, in order. */
+static inline __m256i q4_group(const uint8_t *codes, int64_t g) {
+    __m128i b = _mm_loadu_si128((const __m128i *)(codes + 16 * g));
+    const __m128i low = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+    return _mm256_set_m128i(hi, lo);
+}
+
+/* Rows r0..r0+R-1 of x (quantized) against weight row j: out[r, j]. R is a compile-time constant in
+ * each instantiation, so that the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void q4_rows(int R, const int8_t *q, const float *s, const float *hs,
+                                                         int64_t k, const uint8_t *codes, const float *S,
+                                                         const float *O, float *out, int64_t n) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[4];
+    float off[4];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+        off[r] = 0.0f;
+    }
+    const int64_t groups = k / 32;
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i w = q4_group(codes, g);
+        for (int r = 0; r < R; r++) {
+            __m256i a = _mm256_loadu_si256((const __m256i *)(q + r * k + 32 * g));
+            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(S[g] * s[r * groups + g]), acc[r]);
+            off[r] += O[g] * (hs[r * 2 * groups + 2 * g] + hs[r * 2 * groups + 2 * g + 1]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r * n] = hsum8(acc[r]) + off[r];
+}
+
+static inline __attribute__((always_inline)) void i8_rows(int R, int group, const int8_t *q, const float *s,
+                                                         const float *hs, int64_t k, const int8_t *codes,
+                                                         const float *S, const float *O, float *out, int64_t n) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[4];
+    float off[4];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+        off[r] = 0.0f;
+    }
+    const int64_t groups = k / 32;
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i c = _mm256_loadu_si256((const __m256i *)(codes + 32 * g));
+        __m256i u = _mm256_sign_epi8(c, c); /* |c| (128 stays 0x80: 128 as unsigned) */
+        __m256 sw;
+        if (group == 32) sw = _mm256_set1_ps(S[g]);
+        else sw = _mm256_set_m128(_mm_set1_ps(S[2 * g + 1]), _mm_set1_ps(S[2 * g]));
+        for (int r = 0; r < R; r++) {
+            __m256i a = _mm256_loadu_si256((const __m256i *)(q + r * k + 32 * g));
+            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(a, c)), ones);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sw, _mm256_set1_ps(s[r * groups + g])),
+                                     acc[r]);
+            const float *h = hs + r * 2 * groups + 2 * g;
+            if (group == 32) off[r] += O[g] * (h[0] + h[1]);
+            else off[r] += O[2 * g] * h[0] + O[2 * g + 1] * h[1];
+        }
+    }
+    for (int r = 0; r < R; r++) out[r * n] = hsum8(acc[r]) + off[r];
+}
+
+#define ROW_TILE 4   /* activation rows sharing one pass over a weight row */
+#define COL_TILE 16  /* weight rows per task: they stay in cache while every row tile passes */
+
+/* x [M, K] float32 -> out [M, N] float32; layout 0: q4 (codes uint8 [N, K/2]), 1: i8 (int8 [N, K]).
+ * Returns 0, or -1 when the scratch memory could not be allocated. */
+int pagoda_int8dot_linear(const float *x, int64_t m, int64_t k, int64_t n, int layout, int group,
+                          const void *codes, const float *S, const float *O, float *out, int threads) {
+    const int64_t groups = k / 32;
+    int8_t *q = (int8_t *)malloc((size_t)(m * k));
+    float *s = (float *)malloc(sizeof(float) * (size_t)(m * groups));
+    float *hs = (float *)malloc(sizeof(float) * (size_t)(m * 2 * groups));
+    if (!q || !s || !hs) {
+        free(q);
+        free(s);
+        free(hs);
+        return -1;
+    }
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m > 1)
+    for (int64_t r = 0; r < m; r++) quantize_row(x + r * k, k, q + r * k, s + r * groups, hs + r * 2 * groups);
+
+    const int64_t tasks = (n + COL_TILE - 1) / COL_TILE;
+    const int64_t sgroups = k / group;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t t = 0; t < tasks; t++) {
+        const int64_t j1 = (t + 1) * COL_TILE < n ? (t + 1) * COL_TILE : n;
+        for (int64_t r0 = 0; r0 < m; r0 += ROW_TILE) {
+            const int64_t rows = m - r0 < ROW_TILE ? m - r0 : ROW_TILE;
+            const int8_t *qr = q + r0 * k;
+            const float *sr = s + r0 * groups, *hr = hs + r0 * 2 * groups;
+            for (int64_t j = t * COL_TILE; j < j1; j++) {
+                float *o = out + r0 * n + j;
+                if (layout == 0) {
+                    const uint8_t *c = (const uint8_t *)codes + j * (k / 2);
+                    const float *Sj = S + j * groups, *Oj = O + j * groups;
+                    switch (rows) {
+                        case 4: q4_rows(4, qr, sr, hr, k, c, Sj, Oj, o, n); break;
+                        case 3: q4_rows(3, qr, sr, hr, k, c, Sj, Oj, o, n); break;
+                        case 2: q4_rows(2, qr, sr, hr, k, c, Sj, Oj, o, n); break;
+                        default: q4_rows(1, qr, sr, hr, k, c, Sj, Oj, o, n); break;
+                    }
+                } else {
+                    const int8_t *c = (const int8_t *)codes + j * k;
+                    const float *Sj = S + j * sgroups, *Oj = O + j * sgroups;
+                    if (group == 32) {
+                        switch (rows) {
+                            case 4: i8_rows(4, 32, qr, sr, hr, k, c, Sj, Oj, o, n); break;
+                            case 3: i8_rows(3, 32, qr, sr, hr, k, c, Sj, Oj, o, n); break;
+                            case 2: i8_rows(2, 32, qr, sr, hr, k, c, Sj, Oj, o, n); break;
+                            default: i8_rows(1, 32, qr, sr, hr, k, c, Sj, Oj, o, n); break;
+                        }
+                    } else {
+                        switch (rows) {
+                            case 4: i8_rows(4, 16, qr, sr, hr, k, c, Sj, Oj, o, n); break;
+                            case 3: i8_rows(3, 16, qr, sr, hr, k, c, Sj, Oj, o, n); break;
+                            case 2: i8_rows(2, 16, qr, sr, hr, k, c, Sj, Oj, o, n); break;
+                            default: i8_rows(1, 16, qr, sr, hr, k, c, Sj, Oj, o, n); break;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    free(q);
+    free(s);
+    free(hs);
+    return 0;
+}
+
+#else
+
+int pagoda_int8dot_linear(const float *x, int64_t m, int64_t k, int64_t n, int layout, int group,
+                          const void *codes, const float *S, const float *O, float *out, int threads) {
+    return -2; /* built without AVX2/FMA: the caller uses torch's kernels */
+}
+
+#endif

@@ -1,0 +1,181 @@
+"""GGUF weights times int8-quantized activations on x86 CPUs: integer dot products, as llama.cpp computes.
+
+Why a C kernel of our own: torch's CPU kernels for low-bit weights (``_weight_int4pack_mm_for_cpu``,
+``_weight_int8pack_mm``) widen every weight to float and multiply in float, which on AVX2 costs about as
+much per step as llama.cpp's whole step (docs/benchmarks.md, CPU section); torchao's integer kernels
+need AVX-512 VNNI or ARM. llama.cpp instead quantizes each activation row to int8 per 32 inputs and
+multiplies 8-bit integers (``vpmaddubsw``), four times the work per instruction. ``cpu_int8dot.c``
+does the same for two weight layouts (4-bit codes two per byte; signed 8-bit codes), with the GGUF
+types decoded into them at load (``formats.gguf_blocks``). It is compiled here at first use with the
+system's C compiler (``cc``, ``-O3 -march=native -fopenmp``) into ``$PAGODA_CACHE_DIR/kernels``
+(keyed by the source, the compiler and this CPU's flags); without a compiler, or on a CPU without
+AVX2 and FMA, ``available()`` is False and the GGUF method uses torch's int4 kernel instead
+(``PAGODA_CPU_GGUF_KERNEL=int4pack`` chooses that path explicitly).
+
+Precision: the activations carry int8 rounding per 32 inputs (about 1/254 of the group's largest
+value), as in llama.cpp; the weights are exact.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("pagoda")
+
+SOURCE = Path(__file__).with_name("cpu_int8dot.c")
+Q4, I8 = 0, 1  # the two weight layouts
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _library_path(compiler: str) -> Path | None:
+    from pagoda_quant.methods.gguf_cache import cache_root
+
+    root = cache_root()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("|".join((SOURCE.read_text(), compiler, version, " ".join(FLAGS), _cpu_flags(),
+                                   platform.machine())).encode()).hexdigest()[:20]
+    return root / "kernels" / f"int8dot-{key}.so"
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".build-", suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+                              timeout=300)
+        if done.returncode:
+            raise RuntimeError(done.stderr.strip()[-2000:])
+        os.replace(tmp, target)  # atomic: processes building at once each rename a whole library
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.lru_cache(maxsize=1)
+def _library():
+    """The compiled kernel (ctypes), or None where it cannot be built or the CPU lacks AVX2/FMA."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.info("no C compiler found: GGUF weights on the CPU use torch's int4 kernel (slower decode)")
+        return None
+    try:
+        path = _library_path(compiler)
+        if not path.exists():
+            _build(compiler, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning("the int8 dot-product kernel could not be built (%s): GGUF weights on the CPU use torch's "
+                       "int4 kernel instead", exc)
+        return None
+    if not lib.pagoda_simd():
+        return None
+    fn = lib.pagoda_int8dot_linear
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    return fn
+
+
+def available() -> bool:
+    """Whether the kernel is usable here (x86 with AVX2 and FMA, a C compiler, not turned off)."""
+    if os.environ.get("PAGODA_CPU_GGUF_KERNEL", "auto") == "int4pack":
+        return False
+    return _library() is not None
+
+
+class DotWeight:
+    """One weight in a layout of ``cpu_int8dot.c``: w[n, k] = scale[n, k // group] * code[n, k] + offset[...]."""
+
+    __slots__ = ("layout", "group", "codes", "scale", "offset", "n", "k")
+
+    def __init__(self, layout: int, group: int, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor):
+        self.layout, self.group = layout, group
+        self.codes, self.scale, self.offset = codes.contiguous(), scale.contiguous(), offset.contiguous()
+        self.n = codes.shape[0]
+        self.k = codes.shape[1] * (2 if layout == Q4 else 1)
+
+    @classmethod
+    def from_codes(cls, c) -> DotWeight:
+        """From ``gguf_blocks.Codes``: 4-bit codes packed two per byte, wider codes as signed bytes
+        (codes of 8 bits are shifted by -128, the offset taking the shift)."""
+        n, k = c.codes.shape
+        scale, offset = c.scale.float(), c.offset.float()
+        if c.bits <= 4 and c.group == 32:
+            g = c.codes.view(n, k // 32, 2, 16)
+            packed = (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2)
+            return cls(Q4, 32, packed, scale, offset)
+        if c.bits <= 7:
+            return cls(I8, c.group, c.codes.view(torch.int8), scale, offset)
+        codes = (c.codes.to(torch.int16) - 128).to(torch.int8)
+        return cls(I8, c.group, codes, scale, offset + 128 * scale)
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x float32 [M, K] (contiguous) -> [M, N] float32."""
+        m = x.shape[0]
+        out = torch.empty((m, self.n), dtype=torch.float32)
+        rc = _library()(x.data_ptr(), m, self.k, self.n, self.layout, self.group, self.codes.data_ptr(),
+                        self.scale.data_ptr(), self.offset.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise MemoryError(f"int8 dot-product kernel: no scratch memory for {m} rows of {self.k}")
+        return out
+
+    def widen(self) -> torch.Tensor:
+        """The weight, float32 [N, K]."""
+        return (self._codes(None).float().view(self.n, -1, self.group) * self.scale[..., None]
+                + self.offset[..., None]).view(self.n, self.k)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids``, float32 [len(ids), K] (an embedding lookup)."""
+        t = ids.shape[0]
+        codes = self._codes(ids).float().view(t, -1, self.group)
+        return (codes * self.scale[ids][..., None] + self.offset[ids][..., None]).view(t, self.k)
+
+    def _codes(self, ids: torch.Tensor | None) -> torch.Tensor:
+        codes = self.codes if ids is None else self.codes.index_select(0, ids)
+        if self.layout == I8:
+            return codes
+        g = codes.view(codes.shape[0], -1, 16)
+        return torch.stack((g & 0x0F, g >> 4), dim=2).reshape(codes.shape[0], -1)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset))
+
+    def state(self) -> dict:
+        return {"layout": self.layout, "group": self.group, "codes": self.codes, "scale": self.scale,
+                "offset": self.offset}
+
+    @classmethod
+    def from_state(cls, d: dict) -> DotWeight:
+        return cls(d["layout"], d["group"], d["codes"], d["scale"], d["offset"])
+
+
+def dot_linear(x: torch.Tensor, weight: DotWeight) -> torch.Tensor:
+    """x [..., K] (any float dtype) @ W.T -> [..., N] in x's dtype."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    out = weight.mm(x2.to(torch.float32).contiguous())
+    return out.to(x.dtype).view(*shape[:-1], weight.n)
