@@ -165,11 +165,12 @@ def test_streamed_steps_are_launched_ahead_with_async_scheduling(model):
     """``async_scheduling``: streamed steps (``step()``, as the server calls it) go through the pipeline too.
     Every request's streamed tokens only grow, never show a pending token, and end as plain decoding's; a
     request aborted mid-stream leaves the others untouched and gives its blocks back; a request added
-    while a step is in flight joins later. Without the key, streamed steps run one at a time."""
+    while a step is in flight joins later. Unset, the key means on (where a pipeline exists); false, streamed
+    steps run one at a time."""
     prompts = random_prompts(5, 256, 4, 30, seed=7)
     params = [SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True) for i in range(len(prompts))]
     plain = _tokens(_llm(model, False).generate(prompts, params))
-    for async_scheduling in (True, False):
+    for async_scheduling in (True, None, False):
         llm = _llm(model, True, async_scheduling=async_scheduling)
         engine = llm.engine
         for i in range(4):
@@ -189,7 +190,7 @@ def test_streamed_steps_are_launched_ahead_with_async_scheduling(model):
         assert [seen[f"r{i}"] for i in (0, 2, 3, 4)] == [plain[i][0] for i in (0, 2, 3, 4)]
         assert len(seen.get("r1", [])) < len(plain[1][0])
         assert llm.get_stats()["kv_blocks_used"] == 0
-        assert (engine.pipeline.launched_ahead > 3) == async_scheduling
+        assert (engine.pipeline.launched_ahead > 3) == (async_scheduling is not False)
 
 
 def test_async_scheduling_refuses_what_it_cannot_combine_with(model, caplog):
@@ -203,5 +204,7 @@ def test_async_scheduling_refuses_what_it_cannot_combine_with(model, caplog):
     with pytest.raises(ConfigError, match="pipeline_parallel_size: 1"):
         LLM(model=str(model), device="cpu", async_scheduling=True, pipeline_parallel_size=2)
     with caplog.at_level("WARNING", logger="pagoda"):
+        _llm(model, False)  # unset: nothing to warn about
+        assert "changes nothing" not in caplog.text
         _llm(model, False, async_scheduling=True)
     assert "changes nothing" in caplog.text

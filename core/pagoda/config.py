@@ -64,9 +64,11 @@ class EngineConfig(BaseModel):
                                     "backend, e.g. {tile_size: 256} for a tiled backend; a backend "
                                     "rejects options it does not know")
     enforce_eager: bool = Field(False, description="never capture graphs")
-    async_scheduling: bool = Field(False, description="launch streamed steps (the server) before the previous "
-                                   "step's tokens reach the host, as offline batches are where the platform "
-                                   "allows (greedy requests without logprobs or penalties; docs/cuda.md)")
+    async_scheduling: bool | None = Field(None, description="launch streamed steps (the server) before the "
+                                          "previous step's tokens reach the host, as offline batches are "
+                                          "(greedy requests without logprobs or penalties; docs/cuda.md); unset: "
+                                          "on where the platform runs steps ahead, without speculative decoding "
+                                          "or pipeline stages")
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of identical prompt prefixes")
     quantization: str | dict | None = Field(None, description="quantization method name or policy "
                                             "(see docs/quantization.md); checkpoint metadata wins")

@@ -105,7 +105,7 @@ class LLMEngine:
             self.pipeline = StepPipeline(self)
         if self.speculative is not None:  # verification steps run one at a time
             self.pipeline = None
-        if config.async_scheduling and self.pipeline is None:
+        if config.async_scheduling is True and self.pipeline is None:
             logger.warning("async_scheduling: the %s platform runs steps one at a time; the key changes nothing "
                            "here", self.platform.name)
         self.eos_token_ids = self._eos_ids()

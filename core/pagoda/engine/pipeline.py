@@ -1,9 +1,10 @@
 """Step pipeline: launch step N+1 on the device before step N's tokens reach the host.
 
 Offline batches of greedy requests (``LLM.generate``: ``LLMEngine.step(finished_only=True)``), and
-streamed steps (``finished_only=False``: the server) with the engine key ``async_scheduling``, on a
-platform that queues work asynchronously (``Platform.supports_async_steps``), on one device or
-several tensor-parallel ranks alike (the executor sends each launch and its feed to every rank; each
+streamed steps (``finished_only=False``: the server) unless the engine key ``async_scheduling`` is
+false (on by default since it was measured on an H200: docs/benchmarks.md), on a platform that
+queues work asynchronously (``Platform.supports_async_steps``), on one device or several
+tensor-parallel ranks alike (the executor sends each launch and its feed to every rank; each
 rank feeds its own copy of the previous step's tokens). After step N is launched the scheduler
 advances as if it had run (``Scheduler.advance``): its chunks count as computed and every sequence
 that samples holds a ``PENDING_TOKEN``. Step N+1 is then scheduled and launched right away; the
@@ -87,7 +88,8 @@ class StepPipeline:
         eng = self.engine
         sched, runner = eng.scheduler, eng.runner
         t0 = time.perf_counter()
-        ahead_ok = finished_only or eng.config.async_scheduling  # streamed outputs: only when asked for
+        # streamed outputs too unless async_scheduling is off (unset: on, wherever a pipeline exists)
+        ahead_ok = finished_only or eng.config.async_scheduling is not False
         if self.pending is None:
             if not ahead_ok or not self._plain():
                 return None

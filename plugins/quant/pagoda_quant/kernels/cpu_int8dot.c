@@ -43,8 +43,9 @@ static inline int hsum8i(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
-/* One row x [K] -> int8 codes q [K], scales s [K/32], and per half-group of 16 s * (sum of codes) [K/16]. */
-static void quantize_row(const float *x, int64_t k, int8_t *q, float *s, float *hs) {
+/* One row x [K] -> int8 codes q [K], scales s [K/32], s * (sum of codes) per half-group of 16 hs [K/16]
+ * and per group of 32 bs [K/32]. */
+static void quantize_row(const float *x, int64_t k, int8_t *q, float *s, float *hs, float *bs) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t g = 0; g < k / 32; g++) {
@@ -64,6 +65,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *s, float *
         s[g] = scale;
         hs[2 * g] = scale * (float)hsum8i(_mm256_add_epi32(i0, i1));
         hs[2 * g + 1] = scale * (float)hsum8i(_mm256_add_epi32(i2, i3));
+        bs[g] = hs[2 * g] + hs[2 * g + 1];
         /* packs work within 128-bit lanes: permute the 32-bit pieces back into order */
         __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
         _mm256_storeu_si256((__m256i *)(q + 32 * g), _mm256_permutevar8x32_epi32(p, order));
@@ -78,59 +80,77 @@ static inline __m256i q4_group(const uint8_t *codes, int64_t g) {
     return _mm256_set_m128i(hi, lo);
 }
 
-/* Rows r0..r0+R-1 of x (quantized) against weight row j: out[r, j]. R is a compile-time constant in
- * each instantiation, so that the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void q4_rows(int R, const int8_t *q, const float *s, const float *hs,
+/* sum_i a[i] * b[i] over n floats (8 at a time, then the rest). */
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float rest = 0.0f;
+    for (; i < n; i++) rest += a[i] * b[i];
+    return hsum8(acc) + rest;
+}
+
+/* prod[g] = S[g] * s[g] for n groups: the float factor of each group's integer sum. */
+static inline void scale_products(const float *S, const float *s, int64_t n, float *prod) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(prod + i, _mm256_mul_ps(_mm256_loadu_ps(S + i), _mm256_loadu_ps(s + i)));
+    for (; i < n; i++) prod[i] = S[i] * s[i];
+}
+
+/* Rows r0..r0+R-1 of x (quantized: codes q, scales s [K/32], sums bs [K/32] = s * sum of a group's codes)
+ * against weight row j of a q4 layout: out[r * n]. R is a compile-time constant in each instantiation, so
+ * that the accumulators stay in registers. The offsets' term is a float dot product, O . bs. */
+static inline __attribute__((always_inline)) void q4_rows(int R, const int8_t *q, const float *s, const float *bs,
                                                          int64_t k, const uint8_t *codes, const float *S,
                                                          const float *O, float *out, int64_t n) {
     const __m256i ones = _mm256_set1_epi16(1);
+    const int64_t groups = k / 32;
+    float prod[R][groups];
     __m256 acc[4];
-    float off[4];
     for (int r = 0; r < R; r++) {
         acc[r] = _mm256_setzero_ps();
-        off[r] = 0.0f;
+        scale_products(S, s + r * groups, groups, prod[r]);
     }
-    const int64_t groups = k / 32;
     for (int64_t g = 0; g < groups; g++) {
         __m256i w = q4_group(codes, g);
         for (int r = 0; r < R; r++) {
             __m256i a = _mm256_loadu_si256((const __m256i *)(q + r * k + 32 * g));
             __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(S[g] * s[r * groups + g]), acc[r]);
-            off[r] += O[g] * (hs[r * 2 * groups + 2 * g] + hs[r * 2 * groups + 2 * g + 1]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&prod[r][g]), acc[r]);
         }
     }
-    for (int r = 0; r < R; r++) out[r * n] = hsum8(acc[r]) + off[r];
+    for (int r = 0; r < R; r++) out[r * n] = hsum8(acc[r]) + dot_f32(O, bs + r * groups, groups);
 }
 
+/* As q4_rows for signed byte codes, groups of 32 or 16 (hs: s * sum of each 16 codes, [K/16]). */
 static inline __attribute__((always_inline)) void i8_rows(int R, int group, const int8_t *q, const float *s,
-                                                         const float *hs, int64_t k, const int8_t *codes,
-                                                         const float *S, const float *O, float *out, int64_t n) {
+                                                         const float *bs, const float *hs, int64_t k,
+                                                         const int8_t *codes, const float *S, const float *O,
+                                                         float *out, int64_t n) {
     const __m256i ones = _mm256_set1_epi16(1);
+    const int64_t groups = k / 32;
+    float prod[R][group == 32 ? groups : 1];
     __m256 acc[4];
-    float off[4];
     for (int r = 0; r < R; r++) {
         acc[r] = _mm256_setzero_ps();
-        off[r] = 0.0f;
+        if (group == 32) scale_products(S, s + r * groups, groups, prod[r]);
     }
-    const int64_t groups = k / 32;
     for (int64_t g = 0; g < groups; g++) {
         __m256i c = _mm256_loadu_si256((const __m256i *)(codes + 32 * g));
-        __m256i u = _mm256_sign_epi8(c, c); /* |c| (128 stays 0x80: 128 as unsigned) */
-        __m256 sw;
-        if (group == 32) sw = _mm256_set1_ps(S[g]);
-        else sw = _mm256_set_m128(_mm_set1_ps(S[2 * g + 1]), _mm_set1_ps(S[2 * g]));
+        __m256i u = _mm256_sign_epi8(c, c); /* |c| (-128 stays 0x80: 128 as unsigned) */
+        __m256 sw = group == 16 ? _mm256_set_m128(_mm_set1_ps(S[2 * g + 1]), _mm_set1_ps(S[2 * g]))
+                                : _mm256_setzero_ps();
         for (int r = 0; r < R; r++) {
             __m256i a = _mm256_loadu_si256((const __m256i *)(q + r * k + 32 * g));
             __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(a, c)), ones);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sw, _mm256_set1_ps(s[r * groups + g])),
-                                     acc[r]);
-            const float *h = hs + r * 2 * groups + 2 * g;
-            if (group == 32) off[r] += O[g] * (h[0] + h[1]);
-            else off[r] += O[2 * g] * h[0] + O[2 * g + 1] * h[1];
+            __m256 f = group == 32 ? _mm256_broadcast_ss(&prod[r][g])
+                                   : _mm256_mul_ps(sw, _mm256_set1_ps(s[r * groups + g]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), f, acc[r]);
         }
     }
-    for (int r = 0; r < R; r++) out[r * n] = hsum8(acc[r]) + off[r];
+    for (int r = 0; r < R; r++)
+        out[r * n] = hsum8(acc[r]) + (group == 32 ? dot_f32(O, bs + r * groups, groups)
+                                                  : dot_f32(O, hs + r * 2 * groups, 2 * groups));
 }
 
 #define ROW_TILE 4   /* activation rows sharing one pass over a weight row */
@@ -144,14 +164,17 @@ int pagoda_int8dot_linear(const float *x, int64_t m, int64_t k, int64_t n, int l
     int8_t *q = (int8_t *)malloc((size_t)(m * k));
     float *s = (float *)malloc(sizeof(float) * (size_t)(m * groups));
     float *hs = (float *)malloc(sizeof(float) * (size_t)(m * 2 * groups));
-    if (!q || !s || !hs) {
+    float *bs = (float *)malloc(sizeof(float) * (size_t)(m * groups));
+    if (!q || !s || !hs || !bs) {
         free(q);
         free(s);
         free(hs);
+        free(bs);
         return -1;
     }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m > 1)
-    for (int64_t r = 0; r < m; r++) quantize_row(x + r * k, k, q + r * k, s + r * groups, hs + r * 2 * groups);
+    for (int64_t r = 0; r < m; r++)
+        quantize_row(x + r * k, k, q + r * k, s + r * groups, hs + r * 2 * groups, bs + r * groups);
 
     const int64_t tasks = (n + COL_TILE - 1) / COL_TILE;
     const int64_t sgroups = k / group;
@@ -161,34 +184,34 @@ int pagoda_int8dot_linear(const float *x, int64_t m, int64_t k, int64_t n, int l
         for (int64_t r0 = 0; r0 < m; r0 += ROW_TILE) {
             const int64_t rows = m - r0 < ROW_TILE ? m - r0 : ROW_TILE;
             const int8_t *qr = q + r0 * k;
-            const float *sr = s + r0 * groups, *hr = hs + r0 * 2 * groups;
+            const float *sr = s + r0 * groups, *hr = hs + r0 * 2 * groups, *br = bs + r0 * groups;
             for (int64_t j = t * COL_TILE; j < j1; j++) {
                 float *o = out + r0 * n + j;
                 if (layout == 0) {
                     const uint8_t *c = (const uint8_t *)codes + j * (k / 2);
                     const float *Sj = S + j * groups, *Oj = O + j * groups;
                     switch (rows) {
-                        case 4: q4_rows(4, qr, sr, hr, k, c, Sj, Oj, o, n); break;
-                        case 3: q4_rows(3, qr, sr, hr, k, c, Sj, Oj, o, n); break;
-                        case 2: q4_rows(2, qr, sr, hr, k, c, Sj, Oj, o, n); break;
-                        default: q4_rows(1, qr, sr, hr, k, c, Sj, Oj, o, n); break;
+                        case 4: q4_rows(4, qr, sr, br, k, c, Sj, Oj, o, n); break;
+                        case 3: q4_rows(3, qr, sr, br, k, c, Sj, Oj, o, n); break;
+                        case 2: q4_rows(2, qr, sr, br, k, c, Sj, Oj, o, n); break;
+                        default: q4_rows(1, qr, sr, br, k, c, Sj, Oj, o, n); break;
                     }
                 } else {
                     const int8_t *c = (const int8_t *)codes + j * k;
                     const float *Sj = S + j * sgroups, *Oj = O + j * sgroups;
                     if (group == 32) {
                         switch (rows) {
-                            case 4: i8_rows(4, 32, qr, sr, hr, k, c, Sj, Oj, o, n); break;
-                            case 3: i8_rows(3, 32, qr, sr, hr, k, c, Sj, Oj, o, n); break;
-                            case 2: i8_rows(2, 32, qr, sr, hr, k, c, Sj, Oj, o, n); break;
-                            default: i8_rows(1, 32, qr, sr, hr, k, c, Sj, Oj, o, n); break;
+                            case 4: i8_rows(4, 32, qr, sr, br, hr, k, c, Sj, Oj, o, n); break;
+                            case 3: i8_rows(3, 32, qr, sr, br, hr, k, c, Sj, Oj, o, n); break;
+                            case 2: i8_rows(2, 32, qr, sr, br, hr, k, c, Sj, Oj, o, n); break;
+                            default: i8_rows(1, 32, qr, sr, br, hr, k, c, Sj, Oj, o, n); break;
                         }
                     } else {
                         switch (rows) {
-                            case 4: i8_rows(4, 16, qr, sr, hr, k, c, Sj, Oj, o, n); break;
-                            case 3: i8_rows(3, 16, qr, sr, hr, k, c, Sj, Oj, o, n); break;
-                            case 2: i8_rows(2, 16, qr, sr, hr, k, c, Sj, Oj, o, n); break;
-                            default: i8_rows(1, 16, qr, sr, hr, k, c, Sj, Oj, o, n); break;
+                            case 4: i8_rows(4, 16, qr, sr, br, hr, k, c, Sj, Oj, o, n); break;
+                            case 3: i8_rows(3, 16, qr, sr, br, hr, k, c, Sj, Oj, o, n); break;
+                            case 2: i8_rows(2, 16, qr, sr, br, hr, k, c, Sj, Oj, o, n); break;
+                            default: i8_rows(1, 16, qr, sr, br, hr, k, c, Sj, Oj, o, n); break;
                         }
                     }
                 }
@@ -198,6 +221,7 @@ int pagoda_int8dot_linear(const float *x, int64_t m, int64_t k, int64_t n, int l
     free(q);
     free(s);
     free(hs);
+    free(bs);
     return 0;
 }
 

@@ -6,10 +6,9 @@ much per step as llama.cpp's whole step (docs/benchmarks.md, CPU section); torch
 need AVX-512 VNNI or ARM. llama.cpp instead quantizes each activation row to int8 per 32 inputs and
 multiplies 8-bit integers (``vpmaddubsw``), four times the work per instruction. ``cpu_int8dot.c``
 does the same for two weight layouts (4-bit codes two per byte; signed 8-bit codes), with the GGUF
-types decoded into them at load (``formats.gguf_blocks``). It is compiled here at first use with the
-system's C compiler (``cc``, ``-O3 -march=native -fopenmp``) into ``$PAGODA_CACHE_DIR/kernels``
-(keyed by the source, the compiler and this CPU's flags); without a compiler, or on a CPU without
-AVX2 and FMA, ``available()`` is False and the GGUF method uses torch's int4 kernel instead
+types decoded into them at load (``formats.gguf_blocks``). It is compiled at first use with the
+system's C compiler (``pagoda.kernels.native``); without a compiler, or on a CPU without AVX2 and
+FMA, ``available()`` is False and the GGUF method uses torch's int4 kernel instead
 (``PAGODA_CPU_GGUF_KERNEL=int4pack`` chooses that path explicitly).
 
 Precision: the activations carry int8 rounding per 32 inputs (about 1/254 of the group's largest
@@ -20,78 +19,23 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-logger = logging.getLogger("pagoda")
-
 SOURCE = Path(__file__).with_name("cpu_int8dot.c")
 Q4, I8 = 0, 1  # the two weight layouts
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _library_path(compiler: str) -> Path | None:
-    from pagoda_quant.methods.gguf_cache import cache_root
-
-    root = cache_root()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("|".join((SOURCE.read_text(), compiler, version, " ".join(FLAGS), _cpu_flags(),
-                                   platform.machine())).encode()).hexdigest()[:20]
-    return root / "kernels" / f"int8dot-{key}.so"
-
-
-def _build(compiler: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".build-", suffix=".so")
-    os.close(fd)
-    try:
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
-                              timeout=300)
-        if done.returncode:
-            raise RuntimeError(done.stderr.strip()[-2000:])
-        os.replace(tmp, target)  # atomic: processes building at once each rename a whole library
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+F32 = torch.float32
 
 
 @functools.lru_cache(maxsize=1)
 def _library():
     """The compiled kernel (ctypes), or None where it cannot be built or the CPU lacks AVX2/FMA."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        logger.info("no C compiler found: GGUF weights on the CPU use torch's int4 kernel (slower decode)")
-        return None
-    try:
-        path = _library_path(compiler)
-        if not path.exists():
-            _build(compiler, path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("the int8 dot-product kernel could not be built (%s): GGUF weights on the CPU use torch's "
-                       "int4 kernel instead", exc)
-        return None
-    if not lib.pagoda_simd():
+    from pagoda.kernels.native import load
+
+    lib = load(SOURCE)
+    if lib is None or not lib.pagoda_simd():
         return None
     fn = lib.pagoda_int8dot_linear
     fn.restype = ctypes.c_int
@@ -136,7 +80,7 @@ class DotWeight:
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """x float32 [M, K] (contiguous) -> [M, N] float32."""
         m = x.shape[0]
-        out = torch.empty((m, self.n), dtype=torch.float32)
+        out = torch.empty(m, self.n, dtype=F32)
         rc = _library()(x.data_ptr(), m, self.k, self.n, self.layout, self.group, self.codes.data_ptr(),
                         self.scale.data_ptr(), self.offset.data_ptr(), out.data_ptr(), torch.get_num_threads())
         if rc:
@@ -175,6 +119,8 @@ class DotWeight:
 
 def dot_linear(x: torch.Tensor, weight: DotWeight) -> torch.Tensor:
     """x [..., K] (any float dtype) @ W.T -> [..., N] in x's dtype."""
+    if x.dtype is F32 and x.dim() == 2 and x.is_contiguous():  # a decode step's rows: no conversions
+        return weight.mm(x)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     out = weight.mm(x2.to(torch.float32).contiguous())

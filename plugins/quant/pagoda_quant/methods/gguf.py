@@ -24,6 +24,8 @@ from pagoda.errors import ModelLoadError
 
 from pagoda_quant.formats import int4 as i4
 from pagoda_quant.formats.gguf_blocks import SUPPORTED, decode, to_planes
+from pagoda_quant.kernels.cpu_int4pack import DEQUANT_ROWS, planes_linear
+from pagoda_quant.kernels.cpu_int8dot import dot_linear
 from pagoda_quant.methods.base import PolicyConfig, QuantizedLinearMethod, add_param, layer_name, replace_param
 from pagoda_quant.methods.int4 import Int4KernelLayout
 
@@ -95,13 +97,9 @@ class _Segment:
         self.rows, self.planes, self.weight, self.dot = rows, planes, weight, dot
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from pagoda_quant.kernels.cpu_int4pack import DEQUANT_ROWS, planes_linear
-
-        if self.dot is not None:
+        if self.dot is not None:  # (a decode step calls this a hundred times: no imports here)
             if x.numel() >= DEQUANT_ROWS * x.shape[-1]:  # a prefill chunk: widen once, the float GEMM
                 return F.linear(x, self.dot.widen().to(x.dtype))
-            from pagoda_quant.kernels.cpu_int8dot import dot_linear
-
             return dot_linear(x, self.dot)
         return planes_linear(x, self.planes) if self.planes is not None else F.linear(x, self.weight.to(x.dtype))
 

@@ -29,19 +29,12 @@ logger = logging.getLogger("pagoda")
 FORMAT = 2  # bump when the entries' layout changes
 
 
-def cache_root() -> Path:
-    """pagoda's cache folder: $PAGODA_CACHE_DIR, else $XDG_CACHE_HOME/pagoda, else ~/.cache/pagoda."""
-    root = os.environ.get("PAGODA_CACHE_DIR")
-    if not root:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        root = os.path.join(xdg, "pagoda") if xdg else os.path.join(os.path.expanduser("~"), ".cache", "pagoda")
-    return Path(root)
-
-
 def cache_dir() -> Path | None:
     """Where the packed-weight caches go; None when PAGODA_GGUF_CACHE=0."""
     if os.environ.get("PAGODA_GGUF_CACHE", "1") in ("0", "false", "no", "off"):
         return None
+    from pagoda.kernels.native import cache_root
+
     return cache_root() / "gguf-packed"
 
 
