@@ -22,6 +22,15 @@ def test_norms_equal_the_reference(rows):
 
 
 @needs_native
+def test_silu_and_mul_equals_the_reference():
+    x = torch.randn(3, 2 * 1536) * 4
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -1e-3])  # exp's far ends
+    torch.testing.assert_close(cpu_ops.silu_and_mul(x), reference.silu_and_mul(x), rtol=1e-5, atol=1e-6)
+    wide = torch.randn(2, 2 * 64 + 10)[:, :128]  # a strided view
+    torch.testing.assert_close(cpu_ops.silu_and_mul(wide), reference.silu_and_mul(wide), rtol=1e-5, atol=1e-6)
+
+
+@needs_native
 @pytest.mark.parametrize("neox", [True, False])
 @pytest.mark.parametrize("rot", [64, 32])  # full, and partial rotary (the rest of each head copied)
 def test_rotary_equals_the_reference_exactly(neox, rot):
@@ -56,7 +65,7 @@ def test_the_cpu_platform_selects_them_and_the_switch_turns_them_off(monkeypatch
 
     chosen = describe_selection("cpu")
     assert all(chosen[op].startswith("pagoda-core [cpu, priority 1]")
-               for op in ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "store_kv_cache"))
+               for op in ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "store_kv_cache"))
     assert describe_selection("cuda")["rms_norm"] != chosen["rms_norm"]
     monkeypatch.setenv("PAGODA_CPU_NATIVE", "0")
     monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path))
@@ -105,3 +114,33 @@ def test_store_kv_cache_equals_the_reference():
     half = torch.zeros(2, 4, 8, 2, 16, dtype=torch.bfloat16)  # another dtype: the reference
     cpu_ops.store_kv_cache(k, v, half, slots)
     assert torch.equal(half[0].view(-1, 2, 16)[17], k[1].bfloat16())
+
+
+@needs_native
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_attention_reads_the_paged_cache_as_the_softmax_says(window):
+    """GQA (4 query heads on 2 kv heads), blocks out of order, lengths across block edges, strided q rows;
+    the cache's other slots hold garbage (never read)."""
+    torch.manual_seed(3)
+    bs, d = 4, 16
+    cache = torch.full((2, 10, bs, 2, d), float("nan"))
+    tables = torch.tensor([[7, 2, 9, 0], [1, 0, 0, 0], [3, 4, 5, 6]])
+    lens = torch.tensor([11, 1, 16])
+    for b in range(3):
+        for j in range(int(lens[b])):
+            slot = tables[b, j // bs] * bs + j % bs
+            cache[:, slot // bs, slot % bs] = torch.randn(2, 2, d)
+    qkv = torch.randn(3, 4 * d + 64)
+    q = qkv[:, :4 * d].view(3, 4, d)
+    out = torch.empty(3, 4, d)
+    cpu_ops.decode_attention(out, q, cache, tables, lens, window, 0.25)
+    for b in range(3):
+        n = int(lens[b])
+        slots = [int(tables[b, j // bs]) * bs + j % bs for j in range(n)]
+        keys = cache[0].view(-1, 2, d)[slots].repeat_interleave(2, dim=1)  # [n, 4, d]
+        values = cache[1].view(-1, 2, d)[slots].repeat_interleave(2, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[b], keys) * 0.25
+        if window:
+            scores[:, :max(0, n - window)] = float("-inf")
+        want = torch.einsum("hn,nhd->hd", scores.softmax(-1), values)
+        torch.testing.assert_close(out[b], want, rtol=1e-5, atol=1e-6)

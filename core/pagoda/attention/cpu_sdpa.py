@@ -8,8 +8,10 @@ CPU kernel computes it in tiles, costing attention's FLOPs and no more.
 - A chunk after a cached prefix reads the keys back through the block table (a view when the
   sequence's blocks are consecutive in the cache, as for a single stream; else a gather) and
   uses a bottom-right causal mask (query i sees keys ``0..context+i``).
-- Decodes are batched into one call: each sequence's keys padded to the longest, masked by
-  length; a single decode over consecutive blocks reads a view of the cache, copying nothing.
+- Decodes (one query token each) read their keys and values straight through the block table in one
+  C call for the whole batch (``cpu_ops.decode_attention``: float32 caches, with the C library built);
+  otherwise they are batched into one torch call, each sequence's keys gathered and padded to the
+  longest, masked by length (a single decode over consecutive blocks reads a view of the cache).
 
 Soft-capped logits, fp8 caches and attention-map probes go to the reference backend.
 """
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 from pagoda.attention.torch_paged import TorchPagedAttention
 from pagoda.forward_context import AttentionMetadata, get_forward_context
 from pagoda.interfaces import AttentionBackend
-from pagoda.kernels import get_op
+from pagoda.kernels import cpu_ops, get_op
 from pagoda.layers.attention import is_quantized_kv_cache
 
 
@@ -43,6 +45,8 @@ class CpuStepData:
                 if n and int(row[-1]) - int(row[0]) == n - 1 and (n < 3 or bool(np.all(np.diff(row) == 1))):
                     self.first_block[i] = int(row[0])
         nd = meta.num_decodes
+        self.num_decodes = nd
+        self._decode_inputs = None
         self.decode_mask = None
         if nd > 1:
             longest = max(lens[:nd])
@@ -50,6 +54,15 @@ class CpuStepData:
             width = blocks * bs
             self.decode_blocks = meta.block_tables[:nd, :blocks].long()
             self.decode_mask = (torch.arange(width)[None, :] < torch.tensor(lens[:nd])[:, None])[:, None, None, :]
+
+
+    def decode_inputs(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block tables int64 [B, max_blocks], lengths int64 [B]) of the step's decodes, made once a step."""
+        if self._decode_inputs is None:
+            nd = self.num_decodes
+            self._decode_inputs = (meta.block_tables[:nd].to(torch.int64).contiguous(),
+                                   torch.tensor(meta.seq_lens_cpu[:nd], dtype=torch.int64))
+        return self._decode_inputs
 
 
 def _cache_view(cache: torch.Tensor, first_block: int, length: int) -> torch.Tensor:
@@ -111,7 +124,10 @@ class CpuSdpaAttention(AttentionBackend):
         out = torch.empty_like(q)
         nd = meta.num_decodes
         window = spec.sliding_window
-        if nd == 1 or (nd and (window or data.decode_mask is None)):
+        if nd and cpu_ops.decode_attention_supported(q, kv_cache):  # read through the block table in C
+            tables, lens = data.decode_inputs(meta)
+            cpu_ops.decode_attention(out[:nd], q[:nd], kv_cache, tables, lens, window, spec.scale)
+        elif nd == 1 or (nd and (window or data.decode_mask is None)):
             for i in range(nd):
                 self._one(out, q, k, v, kv_cache, meta, data, i, window, spec.scale)
         elif nd:

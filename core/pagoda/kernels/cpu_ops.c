@@ -3,7 +3,53 @@
  * Rows are independent; a row's input may be strided (a view into a fused projection's output). */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* exp of 8 floats: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its Taylor polynomial to r^6 (error about
+ * 1e-7 relative, as expf's), times 2^n built in the exponent bits; x clamped to [-87.3, 88.3]. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln2 in two parts */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#define PAGODA_EXP8 1
+#else
+#define PAGODA_EXP8 0
+#endif
+
+/* x[i] = exp(x[i] - shift) for n floats; returns their sum. */
+static float exp_shifted(float *x, int64_t n, float shift) {
+    float total = 0.0f;
+    int64_t i = 0;
+#if PAGODA_EXP8
+    __m256 acc = _mm256_setzero_ps();
+    const __m256 s = _mm256_set1_ps(shift);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), s));
+        _mm256_storeu_ps(x + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    for (int l = 0; l < 8; l++) total += lanes[l];
+#endif
+    for (; i < n; i++) total += (x[i] = expf(x[i] - shift));
+    return total;
+}
 
 /* out[t] = w * (x[t] / sqrt(mean(x[t]^2) + eps)); x rows of stride sx, out rows contiguous. */
 void pagoda_rms_norm(const float *x, int64_t t, int64_t h, int64_t sx, const float *w, float eps, float *out) {
@@ -76,4 +122,111 @@ int64_t pagoda_store_kv(const float *k, const float *v, int64_t t, int64_t width
         memcpy(vc + slot * width, v + r * sv, sizeof(float) * (size_t)width);
     }
     return -1;
+}
+
+/* a . b over d floats (four accumulators: the multiply-adds do not wait on each other). */
+static inline float dot(const float *a, const float *b, int64_t d) {
+    int64_t i = 0;
+    float total = 0.0f;
+#if PAGODA_EXP8
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+    for (; i + 32 <= d; i += 32) {
+        c0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), c0);
+        c1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), c1);
+        c2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), c2);
+        c3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), c3);
+    }
+    for (; i + 8 <= d; i += 8) c0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), c0);
+    __m256 c = _mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3));
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps(c, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    total = _mm_cvtss_f32(h);
+#endif
+    for (; i < d; i++) total += a[i] * b[i];
+    return total;
+}
+
+/* Decode attention straight from the paged cache, one query token per sequence: for sequence b and query
+ * head h (kv head h / (nq / nk)), out[b, h] = softmax(scale * q[b, h] . k_j) . v_j over positions
+ * j < lens[b] (the last `window` of them when window > 0). q rows of stride sq ([nq, d] within a row);
+ * caches [slots, nk, d] with slot = tables[b, j / bs] * bs + j % bs; out [nb, nq, d] contiguous.
+ * The query heads sharing a kv head are done together (each key and value read once for them), the
+ * positions walked block by block. Returns 0, or -1 when scratch memory could not be had. */
+int pagoda_decode_attention(const float *q, int64_t nb, int64_t nq, int64_t d, int64_t sq, const float *kc,
+                            const float *vc, int64_t nk, int64_t bs, const int64_t *tables, int64_t ts,
+                            const int64_t *lens, int64_t window, float scale, float *out, int threads) {
+    const int64_t group = nq / nk;
+    int failed = 0;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t b = 0; b < nb; b++) {
+        for (int64_t kvh = 0; kvh < nk; kvh++) {
+            const int64_t len = lens[b], start = window > 0 && len > window ? len - window : 0;
+            const int64_t span = len - start;
+            float *scores = (float *)malloc(sizeof(float) * (size_t)(group * (span + 1)));
+            if (!scores) {
+                failed = 1;
+                continue;
+            }
+            const float *qh = q + b * sq + kvh * group * d; /* the group's query heads, [group, d] */
+            float *o = out + (b * nq + kvh * group) * d;
+            float top[group], total[group];
+            for (int64_t h = 0; h < group; h++) top[h] = -INFINITY, total[h] = 0.0f;
+            /* pass 1: scores [group, span] */
+            for (int64_t j0 = start - start % bs; j0 < len; j0 += bs) {
+                const int64_t base = tables[b * ts + j0 / bs] * bs;
+                const int64_t lo = j0 < start ? start : j0, hi = j0 + bs < len ? j0 + bs : len;
+                for (int64_t j = lo; j < hi; j++) {
+                    const float *kv = kc + ((base + j - j0) * nk + kvh) * d;
+                    for (int64_t h = 0; h < group; h++) {
+                        const float sc = dot(qh + h * d, kv, d) * scale;
+                        scores[h * span + (j - start)] = sc;
+                        if (sc > top[h]) top[h] = sc;
+                    }
+                }
+            }
+            for (int64_t h = 0; h < group; h++) total[h] = exp_shifted(scores + h * span, span, top[h]);
+            /* pass 2: out[h] = sum_j p[h, j] v_j / total[h], 64 dims at a time held in registers */
+            for (int64_t h = 0; h < group; h++) {
+                const float *ph = scores + h * span;
+                const float inv = total[h] > 0.0f ? 1.0f / total[h] : 0.0f;
+                float *oh = o + h * d;
+                for (int64_t i0 = 0; i0 < d; i0 += 64) {
+                    const int64_t w = d - i0 < 64 ? d - i0 : 64;
+                    float acc[64] = {0};
+                    for (int64_t j0 = start - start % bs; j0 < len; j0 += bs) {
+                        const int64_t base = tables[b * ts + j0 / bs] * bs;
+                        const int64_t lo = j0 < start ? start : j0, hi = j0 + bs < len ? j0 + bs : len;
+                        for (int64_t j = lo; j < hi; j++) {
+                            const float p = ph[j - start];
+                            const float *vv = vc + ((base + j - j0) * nk + kvh) * d + i0;
+#pragma omp simd
+                            for (int64_t i = 0; i < 64; i++) acc[i] += p * (i < w ? vv[i] : 0.0f);
+                        }
+                    }
+                    for (int64_t i = 0; i < w; i++) oh[i0 + i] = acc[i] * inv;
+                }
+            }
+            free(scores);
+        }
+    }
+    return failed ? -1 : 0;
+}
+
+/* out[t] = silu(x[t, :n]) * x[t, n:2n] (x rows of stride sx), silu(a) = a / (1 + exp(-a)). */
+void pagoda_silu_and_mul(const float *x, int64_t t, int64_t n, int64_t sx, float *out) {
+    for (int64_t r = 0; r < t; r++) {
+        const float *a = x + r * sx, *g = a + n;
+        float *o = out + r * n;
+        int64_t i = 0;
+#if PAGODA_EXP8
+        const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+        for (; i + 8 <= n; i += 8) {
+            const __m256 av = _mm256_loadu_ps(a + i);
+            const __m256 den = _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, av)));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(av, den), _mm256_loadu_ps(g + i)));
+        }
+#endif
+        for (; i < n; i++) o[i] = a[i] / (1.0f + expf(-a[i])) * g[i];
+    }
 }

@@ -1,5 +1,5 @@
-"""The CPU platform's own ``rms_norm``, ``fused_add_rms_norm``, ``rotary_embedding`` and ``store_kv_cache``
-for float32.
+"""The CPU platform's own float32 ``rms_norm``, ``fused_add_rms_norm``, ``rotary_embedding``,
+``silu_and_mul`` and ``store_kv_cache``, and decode attention over the paged cache (``cpu_sdpa``'s).
 
 A decode step on a small model is mostly small ops: the torch reference of these three takes 6-15 torch
 calls each (casts, reductions, index_select, slices, cat), tens of microseconds per layer for a single
@@ -36,6 +36,11 @@ def _lib():
         fn.restype = None
     lib.pagoda_store_kv.argtypes = [_P, _P, _I, _I, _I, _I, _P, _P, _P, _I]
     lib.pagoda_store_kv.restype = _I
+    lib.pagoda_decode_attention.argtypes = [_P, _I, _I, _I, _I, _P, _P, _I, _I, _P, _I, _P, _I, _F, _P,
+                                            ctypes.c_int]
+    lib.pagoda_decode_attention.restype = ctypes.c_int
+    lib.pagoda_silu_and_mul.argtypes = [_P, _I, _I, _I, _P]
+    lib.pagoda_silu_and_mul.restype = None
     return lib
 
 
@@ -100,6 +105,16 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     return outs[0], outs[1]
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    lib = _lib()
+    if lib is None or not _rows(x) or x.shape[1] % 2:
+        return reference.silu_and_mul(x)
+    t, n = x.shape[0], x.shape[1] // 2
+    out = torch.empty(t, n, dtype=F32)
+    lib.pagoda_silu_and_mul(x.data_ptr(), t, n, x.stride(0), out.data_ptr())
+    return out
+
+
 def _heads(x: torch.Tensor) -> bool:
     """A float32 [T, heads, hs] whose rows are contiguous (any row stride)."""
     return x.dtype is F32 and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
@@ -121,3 +136,26 @@ def store_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
                               slot_mapping.data_ptr(), base, base + half, total)
     if bad >= 0:
         raise IndexError(f"store_kv_cache: slot {int(slot_mapping[bad])} is past the cache's {total} slots")
+
+
+def decode_attention_supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether ``decode_attention`` takes these: float32 rows and a contiguous float32 cache
+    [2, blocks, block_size, kv_heads, head_size], with the C library built."""
+    return (_lib() is not None and q.dtype is F32 and kv_cache.dtype is F32 and kv_cache.dim() == 5
+            and kv_cache.shape[0] == 2 and kv_cache.is_contiguous() and q.stride(2) == 1
+            and q.stride(1) == q.shape[2])
+
+
+def decode_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,
+                     lens: torch.Tensor, window: int | None, scale: float) -> None:
+    """One query token per sequence against its cached keys, read through the block table (no gather):
+    q [B, nq, d] (rows may be strided), tables int64 [B, max_blocks], lens int64 [B] -> out [B, nq, d]
+    (contiguous float32). ``decode_attention_supported`` says when this applies."""
+    nb, nq, d = q.shape
+    blocks, bs, nk = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[3]
+    base = kv_cache.data_ptr()
+    rc = _lib().pagoda_decode_attention(q.data_ptr(), nb, nq, d, q.stride(0), base, base + blocks * bs * nk * d * 4,
+                                        nk, bs, tables.data_ptr(), tables.stride(0), lens.data_ptr(), window or 0,
+                                        scale, out.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise MemoryError("decode attention: no memory for the scores")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 logger = logging.getLogger("pagoda")
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-Werror=implicit-function-declaration")
 
 
 def cache_root() -> Path:

@@ -62,6 +62,10 @@ def test_int8_dot_matmul_is_the_reference_with_int8_activations(ggml_type, rows,
     weight = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[ggml_type]))
     dot = DotWeight.from_codes(decode(torch.from_numpy(raw), ggml_type))
     assert dot.layout == (Q4 if ggml_type in ("Q4_0", "Q4_1", "Q4_K") else I8)
+    # float16 scales where the file's are (exact), float32 for K-quants' products; no offsets for Q8_0
+    k_quant = ggml_type.endswith("_K")
+    assert dot.scale.dtype == (torch.float32 if k_quant else torch.float16)
+    assert (dot.offset is None) == (ggml_type == "Q8_0")
     torch.testing.assert_close(dot.widen(), weight, rtol=1e-6, atol=1e-6 * float(weight.abs().max()))
     ids = torch.tensor([0, 17, 39, 5])
     torch.testing.assert_close(dot.rows(ids), weight[ids], rtol=1e-6, atol=1e-6 * float(weight.abs().max()))

@@ -12,7 +12,8 @@
  *   q4: codes 0..15, two per byte, [N, K/2]; in each group of 32, byte j holds code j (low nibble)
  *       and code j + 16 (high nibble), as GGUF's Q4 blocks do; groups of 32.
  *   i8: signed codes -128..127, one per byte, [N, K]; groups of 32 or 16.
- * S and O are float32 [N, K / group].
+ * S and O are [N, K / group], float16 where that holds every value exactly (GGUF's own scales), else
+ * float32; O is absent when every offset is 0 (Q8_0).
  */
 #include <math.h>
 #include <stdint.h>
@@ -80,86 +81,123 @@ static inline __m256i q4_group(const uint8_t *codes, int64_t g) {
     return _mm256_set_m128i(hi, lo);
 }
 
-/* sum_i a[i] * b[i] over n floats (8 at a time, then the rest). */
-static inline float dot_f32(const float *a, const float *b, int64_t n) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float rest = 0.0f;
-    for (; i < n; i++) rest += a[i] * b[i];
-    return hsum8(acc) + rest;
+/* Weight scales and offsets are float32, or float16 where that holds them exactly (f16 set). */
+static inline __m256 load8(const void *v, int f16, int64_t i) {
+    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)v + i)))
+               : _mm256_loadu_ps((const float *)v + i);
+}
+
+static inline float load1(const void *v, int f16, int64_t i) {
+    return f16 ? _cvtsh_ss(((const uint16_t *)v)[i]) : ((const float *)v)[i];
 }
 
 /* prod[g] = S[g] * s[g] for n groups: the float factor of each group's integer sum. */
-static inline void scale_products(const float *S, const float *s, int64_t n, float *prod) {
+static inline void scale_products(const void *S, int f16, const float *s, int64_t n, float *prod) {
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(prod + i, _mm256_mul_ps(_mm256_loadu_ps(S + i), _mm256_loadu_ps(s + i)));
-    for (; i < n; i++) prod[i] = S[i] * s[i];
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(prod + i, _mm256_mul_ps(load8(S, f16, i), _mm256_loadu_ps(s + i)));
+    for (; i < n; i++) prod[i] = load1(S, f16, i) * s[i];
+}
+
+/* The offsets' term O . b over n groups (0 without offsets: O NULL). */
+static inline float offset_dot(const void *O, int f16, const float *b, int64_t n) {
+    if (!O) return 0.0f;
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(load8(O, f16, i), _mm256_loadu_ps(b + i), acc);
+    float rest = 0.0f;
+    for (; i < n; i++) rest += load1(O, f16, i) * b[i];
+    return hsum8(acc) + rest;
 }
 
 /* Rows r0..r0+R-1 of x (quantized: codes q, scales s [K/32], sums bs [K/32] = s * sum of a group's codes)
  * against weight row j of a q4 layout: out[r * n]. R is a compile-time constant in each instantiation, so
  * that the accumulators stay in registers. The offsets' term is a float dot product, O . bs. */
 static inline __attribute__((always_inline)) void q4_rows(int R, const int8_t *q, const float *s, const float *bs,
-                                                         int64_t k, const uint8_t *codes, const float *S,
-                                                         const float *O, float *out, int64_t n) {
+                                                         int64_t k, const uint8_t *codes, const void *S,
+                                                         const void *O, int f16, float *out, int64_t n) {
     const __m256i ones = _mm256_set1_epi16(1);
     const int64_t groups = k / 32;
     float prod[R][groups];
-    __m256 acc[4];
+    /* two accumulators per row, even and odd groups, so that consecutive groups' multiply-adds do not
+     * wait on each other; every R sums in the same order (a row's result does not depend on its batch) */
+    __m256 acc[4][2];
     for (int r = 0; r < R; r++) {
-        acc[r] = _mm256_setzero_ps();
-        scale_products(S, s + r * groups, groups, prod[r]);
+        acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        scale_products(S, f16, s + r * groups, groups, prod[r]);
     }
-    for (int64_t g = 0; g < groups; g++) {
-        __m256i w = q4_group(codes, g);
-        for (int r = 0; r < R; r++) {
-            __m256i a = _mm256_loadu_si256((const __m256i *)(q + r * k + 32 * g));
-            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&prod[r][g]), acc[r]);
-        }
+#define Q4_STEP(g, half)                                                                                   \
+    {                                                                                                      \
+        __m256i w = q4_group(codes, g);                                                                    \
+        for (int r = 0; r < R; r++) {                                                                      \
+            __m256i a = _mm256_loadu_si256((const __m256i *)(q + r * k + 32 * (g)));                       \
+            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones);                               \
+            acc[r][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&prod[r][g]), acc[r][half]); \
+        }                                                                                                  \
     }
-    for (int r = 0; r < R; r++) out[r * n] = hsum8(acc[r]) + dot_f32(O, bs + r * groups, groups);
+    int64_t g = 0;
+    for (; g + 1 < groups; g += 2) {
+        Q4_STEP(g, 0)
+        Q4_STEP(g + 1, 1)
+    }
+    if (g < groups) Q4_STEP(g, 0)
+#undef Q4_STEP
+    for (int r = 0; r < R; r++)
+        out[r * n] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) + offset_dot(O, f16, bs + r * groups, groups);
 }
 
 /* As q4_rows for signed byte codes, groups of 32 or 16 (hs: s * sum of each 16 codes, [K/16]). */
 static inline __attribute__((always_inline)) void i8_rows(int R, int group, const int8_t *q, const float *s,
                                                          const float *bs, const float *hs, int64_t k,
-                                                         const int8_t *codes, const float *S, const float *O,
-                                                         float *out, int64_t n) {
+                                                         const int8_t *codes, const void *S, const void *O,
+                                                         int f16, float *out, int64_t n) {
     const __m256i ones = _mm256_set1_epi16(1);
     const int64_t groups = k / 32;
     float prod[R][group == 32 ? groups : 1];
-    __m256 acc[4];
+    __m256 acc[4][2];
     for (int r = 0; r < R; r++) {
-        acc[r] = _mm256_setzero_ps();
-        if (group == 32) scale_products(S, s + r * groups, groups, prod[r]);
+        acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        if (group == 32) scale_products(S, f16, s + r * groups, groups, prod[r]);
     }
-    for (int64_t g = 0; g < groups; g++) {
-        __m256i c = _mm256_loadu_si256((const __m256i *)(codes + 32 * g));
-        __m256i u = _mm256_sign_epi8(c, c); /* |c| (-128 stays 0x80: 128 as unsigned) */
-        __m256 sw = group == 16 ? _mm256_set_m128(_mm_set1_ps(S[2 * g + 1]), _mm_set1_ps(S[2 * g]))
-                                : _mm256_setzero_ps();
-        for (int r = 0; r < R; r++) {
-            __m256i a = _mm256_loadu_si256((const __m256i *)(q + r * k + 32 * g));
-            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(a, c)), ones);
-            __m256 f = group == 32 ? _mm256_broadcast_ss(&prod[r][g])
-                                   : _mm256_mul_ps(sw, _mm256_set1_ps(s[r * groups + g]));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), f, acc[r]);
-        }
+    float Sf[group == 16 ? 2 * groups : 1]; /* groups of 16: this row's scales as float32 */
+    if (group == 16)
+        for (int64_t i = 0; i < 2 * groups; i++) Sf[i] = load1(S, f16, i);
+/* |c| (-128 stays 0x80: 128 as unsigned) times a with c's sign */
+#define I8_STEP(g, half)                                                                                   \
+    {                                                                                                      \
+        __m256i c = _mm256_loadu_si256((const __m256i *)(codes + 32 * (g)));                               \
+        __m256i u = _mm256_sign_epi8(c, c);                                                                \
+        __m256 sw = group == 16 ? _mm256_set_m128(_mm_set1_ps(Sf[2 * (g) + 1]), _mm_set1_ps(Sf[2 * (g)]))  \
+                                : _mm256_setzero_ps();                                                     \
+        for (int r = 0; r < R; r++) {                                                                      \
+            __m256i a = _mm256_loadu_si256((const __m256i *)(q + r * k + 32 * (g)));                       \
+            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(a, c)), ones);          \
+            __m256 f = group == 32 ? _mm256_broadcast_ss(&prod[r][g])                                      \
+                                   : _mm256_mul_ps(sw, _mm256_set1_ps(s[r * groups + (g)]));               \
+            acc[r][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), f, acc[r][half]);                        \
+        }                                                                                                  \
     }
+    int64_t g = 0;
+    for (; g + 1 < groups; g += 2) {
+        I8_STEP(g, 0)
+        I8_STEP(g + 1, 1)
+    }
+    if (g < groups) I8_STEP(g, 0)
+#undef I8_STEP
     for (int r = 0; r < R; r++)
-        out[r * n] = hsum8(acc[r]) + (group == 32 ? dot_f32(O, bs + r * groups, groups)
-                                                  : dot_f32(O, hs + r * 2 * groups, 2 * groups));
+        out[r * n] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) +
+                     (group == 32 ? offset_dot(O, f16, bs + r * groups, groups)
+                                  : offset_dot(O, f16, hs + r * 2 * groups, 2 * groups));
 }
 
 #define ROW_TILE 4   /* activation rows sharing one pass over a weight row */
 #define COL_TILE 16  /* weight rows per task: they stay in cache while every row tile passes */
 
-/* x [M, K] float32 -> out [M, N] float32; layout 0: q4 (codes uint8 [N, K/2]), 1: i8 (int8 [N, K]).
+/* x [M, K] float32 -> out [M, N] float32; layout 0: q4 (codes uint8 [N, K/2]), 1: i8 (int8 [N, K]);
+ * S, O [N, K / group] float16 when f16 is set, else float32; O may be NULL (no offsets).
  * Returns 0, or -1 when the scratch memory could not be allocated. */
 int pagoda_int8dot_linear(const float *x, int64_t m, int64_t k, int64_t n, int layout, int group,
-                          const void *codes, const float *S, const float *O, float *out, int threads) {
+                          const void *codes, const void *S, const void *O, int f16, float *out, int threads) {
+    const int64_t esize = f16 ? 2 : 4;
     const int64_t groups = k / 32;
     int8_t *q = (int8_t *)malloc((size_t)(m * k));
     float *s = (float *)malloc(sizeof(float) * (size_t)(m * groups));
@@ -189,29 +227,31 @@ int pagoda_int8dot_linear(const float *x, int64_t m, int64_t k, int64_t n, int l
                 float *o = out + r0 * n + j;
                 if (layout == 0) {
                     const uint8_t *c = (const uint8_t *)codes + j * (k / 2);
-                    const float *Sj = S + j * groups, *Oj = O + j * groups;
+                    const char *Sj = (const char *)S + j * groups * esize;
+                    const char *Oj = O ? (const char *)O + j * groups * esize : NULL;
                     switch (rows) {
-                        case 4: q4_rows(4, qr, sr, br, k, c, Sj, Oj, o, n); break;
-                        case 3: q4_rows(3, qr, sr, br, k, c, Sj, Oj, o, n); break;
-                        case 2: q4_rows(2, qr, sr, br, k, c, Sj, Oj, o, n); break;
-                        default: q4_rows(1, qr, sr, br, k, c, Sj, Oj, o, n); break;
+                        case 4: q4_rows(4, qr, sr, br, k, c, Sj, Oj, f16, o, n); break;
+                        case 3: q4_rows(3, qr, sr, br, k, c, Sj, Oj, f16, o, n); break;
+                        case 2: q4_rows(2, qr, sr, br, k, c, Sj, Oj, f16, o, n); break;
+                        default: q4_rows(1, qr, sr, br, k, c, Sj, Oj, f16, o, n); break;
                     }
                 } else {
                     const int8_t *c = (const int8_t *)codes + j * k;
-                    const float *Sj = S + j * sgroups, *Oj = O + j * sgroups;
+                    const char *Sj = (const char *)S + j * sgroups * esize;
+                    const char *Oj = O ? (const char *)O + j * sgroups * esize : NULL;
                     if (group == 32) {
                         switch (rows) {
-                            case 4: i8_rows(4, 32, qr, sr, br, hr, k, c, Sj, Oj, o, n); break;
-                            case 3: i8_rows(3, 32, qr, sr, br, hr, k, c, Sj, Oj, o, n); break;
-                            case 2: i8_rows(2, 32, qr, sr, br, hr, k, c, Sj, Oj, o, n); break;
-                            default: i8_rows(1, 32, qr, sr, br, hr, k, c, Sj, Oj, o, n); break;
+                            case 4: i8_rows(4, 32, qr, sr, br, hr, k, c, Sj, Oj, f16, o, n); break;
+                            case 3: i8_rows(3, 32, qr, sr, br, hr, k, c, Sj, Oj, f16, o, n); break;
+                            case 2: i8_rows(2, 32, qr, sr, br, hr, k, c, Sj, Oj, f16, o, n); break;
+                            default: i8_rows(1, 32, qr, sr, br, hr, k, c, Sj, Oj, f16, o, n); break;
                         }
                     } else {
                         switch (rows) {
-                            case 4: i8_rows(4, 16, qr, sr, br, hr, k, c, Sj, Oj, o, n); break;
-                            case 3: i8_rows(3, 16, qr, sr, br, hr, k, c, Sj, Oj, o, n); break;
-                            case 2: i8_rows(2, 16, qr, sr, br, hr, k, c, Sj, Oj, o, n); break;
-                            default: i8_rows(1, 16, qr, sr, br, hr, k, c, Sj, Oj, o, n); break;
+                            case 4: i8_rows(4, 16, qr, sr, br, hr, k, c, Sj, Oj, f16, o, n); break;
+                            case 3: i8_rows(3, 16, qr, sr, br, hr, k, c, Sj, Oj, f16, o, n); break;
+                            case 2: i8_rows(2, 16, qr, sr, br, hr, k, c, Sj, Oj, f16, o, n); break;
+                            default: i8_rows(1, 16, qr, sr, br, hr, k, c, Sj, Oj, f16, o, n); break;
                         }
                     }
                 }
@@ -228,7 +268,7 @@ int pagoda_int8dot_linear(const float *x, int64_t m, int64_t k, int64_t n, int l
 #else
 
 int pagoda_int8dot_linear(const float *x, int64_t m, int64_t k, int64_t n, int layout, int group,
-                          const void *codes, const float *S, const float *O, float *out, int threads) {
+                          const void *codes, const void *S, const void *O, int f16, float *out, int threads) {
     return -2; /* built without AVX2/FMA: the caller uses torch's kernels */
 }
 

@@ -40,7 +40,7 @@ def _library():
     fn = lib.pagoda_int8dot_linear
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     return fn
 
 
@@ -52,51 +52,79 @@ def available() -> bool:
 
 
 class DotWeight:
-    """One weight in a layout of ``cpu_int8dot.c``: w[n, k] = scale[n, k // group] * code[n, k] + offset[...]."""
+    """One weight in a layout of ``cpu_int8dot.c``: w[n, k] = scale[n, k // group] * code[n, k] + offset[...].
 
-    __slots__ = ("layout", "group", "codes", "scale", "offset", "n", "k")
+    Scales and offsets are kept in float16 where that holds every value exactly (the GGUF types whose
+    block scales are float16: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), else float32 (K-quants' products of two
+    scales); an offset of 0 everywhere (Q8_0) is not kept at all. Decode reads every weight byte once per
+    step and is bound by memory bandwidth, so these bytes count: Q4_1 then takes the file's 20 bytes per
+    32 weights, Q8_0 its 34."""
 
-    def __init__(self, layout: int, group: int, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor):
+    __slots__ = ("layout", "group", "codes", "scale", "offset", "n", "k", "f16")
+
+    def __init__(self, layout: int, group: int, codes: torch.Tensor, scale: torch.Tensor,
+                 offset: torch.Tensor | None):
         self.layout, self.group = layout, group
-        self.codes, self.scale, self.offset = codes.contiguous(), scale.contiguous(), offset.contiguous()
+        self.codes, self.scale = codes.contiguous(), scale.contiguous()
+        self.offset = None if offset is None else offset.contiguous()
+        self.f16 = scale.dtype == torch.float16
+        if offset is not None and offset.dtype != scale.dtype:
+            raise ValueError("DotWeight: scale and offset must share a dtype")
         self.n = codes.shape[0]
         self.k = codes.shape[1] * (2 if layout == Q4 else 1)
 
     @classmethod
-    def from_codes(cls, c) -> DotWeight:
+    def from_codes(cls, c, compact: bool = True) -> DotWeight:
         """From ``gguf_blocks.Codes``: 4-bit codes packed two per byte, wider codes as signed bytes
-        (codes of 8 bits are shifted by -128, the offset taking the shift)."""
+        (codes of 8 bits are shifted by -128, the offset taking the shift); float32 scales and offsets
+        unless ``compact`` (then ``compact()``'s)."""
         n, k = c.codes.shape
         scale, offset = c.scale.float(), c.offset.float()
         if c.bits <= 4 and c.group == 32:
             g = c.codes.view(n, k // 32, 2, 16)
-            packed = (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2)
-            return cls(Q4, 32, packed, scale, offset)
-        if c.bits <= 7:
-            return cls(I8, c.group, c.codes.view(torch.int8), scale, offset)
-        codes = (c.codes.to(torch.int16) - 128).to(torch.int8)
-        return cls(I8, c.group, codes, scale, offset + 128 * scale)
+            layout, group, codes = Q4, 32, (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2)
+        elif c.bits <= 7:
+            layout, group, codes = I8, c.group, c.codes.view(torch.int8)
+        else:
+            layout, group, codes = I8, c.group, (c.codes.to(torch.int16) - 128).to(torch.int8)
+            offset = offset + 128 * scale
+        weight = cls(layout, group, codes, scale, offset)
+        return weight.compact() if compact else weight
+
+    def compact(self) -> DotWeight:
+        """The same weight with float16 scales and offsets where that is exact, without all-zero offsets."""
+        scale, offset = self.scale, self.offset
+        if scale.dtype == torch.float32 and _exact_in_f16(scale) and (offset is None or _exact_in_f16(offset)):
+            scale, offset = scale.half(), None if offset is None else offset.half()
+        if offset is not None and not bool(offset.any()):
+            offset = None
+        return DotWeight(self.layout, self.group, self.codes, scale, offset)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """x float32 [M, K] (contiguous) -> [M, N] float32."""
         m = x.shape[0]
         out = torch.empty(m, self.n, dtype=F32)
+        offset = 0 if self.offset is None else self.offset.data_ptr()
         rc = _library()(x.data_ptr(), m, self.k, self.n, self.layout, self.group, self.codes.data_ptr(),
-                        self.scale.data_ptr(), self.offset.data_ptr(), out.data_ptr(), torch.get_num_threads())
+                        self.scale.data_ptr(), offset, self.f16, out.data_ptr(), torch.get_num_threads())
         if rc:
             raise MemoryError(f"int8 dot-product kernel: no scratch memory for {m} rows of {self.k}")
         return out
 
     def widen(self) -> torch.Tensor:
         """The weight, float32 [N, K]."""
-        return (self._codes(None).float().view(self.n, -1, self.group) * self.scale[..., None]
-                + self.offset[..., None]).view(self.n, self.k)
+        w = self._codes(None).float().view(self.n, -1, self.group) * self.scale.float()[..., None]
+        if self.offset is not None:
+            w += self.offset.float()[..., None]
+        return w.view(self.n, self.k)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids``, float32 [len(ids), K] (an embedding lookup)."""
         t = ids.shape[0]
-        codes = self._codes(ids).float().view(t, -1, self.group)
-        return (codes * self.scale[ids][..., None] + self.offset[ids][..., None]).view(t, self.k)
+        w = self._codes(ids).float().view(t, -1, self.group) * self.scale[ids].float()[..., None]
+        if self.offset is not None:
+            w += self.offset[ids].float()[..., None]
+        return w.view(t, self.k)
 
     def _codes(self, ids: torch.Tensor | None) -> torch.Tensor:
         codes = self.codes if ids is None else self.codes.index_select(0, ids)
@@ -106,7 +134,7 @@ class DotWeight:
         return torch.stack((g & 0x0F, g >> 4), dim=2).reshape(codes.shape[0], -1)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset))
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset) if t is not None)
 
     def state(self) -> dict:
         return {"layout": self.layout, "group": self.group, "codes": self.codes, "scale": self.scale,
@@ -115,6 +143,10 @@ class DotWeight:
     @classmethod
     def from_state(cls, d: dict) -> DotWeight:
         return cls(d["layout"], d["group"], d["codes"], d["scale"], d["offset"])
+
+
+def _exact_in_f16(t: torch.Tensor) -> bool:
+    return bool(torch.equal(t.half().float(), t))
 
 
 def dot_linear(x: torch.Tensor, weight: DotWeight) -> torch.Tensor:

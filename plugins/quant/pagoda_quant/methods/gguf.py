@@ -158,15 +158,15 @@ def _dot_weight(tensors: list[torch.Tensor], kind: str):
         return DotWeight.from_codes(decode(chunks[0], kind))
     total = sum(c.shape[0] for c in chunks)
     whole, row = None, 0
-    for c in chunks:
-        part = DotWeight.from_codes(decode(c, kind))
+    for c in chunks:  # float32 scales and offsets while filling; compacted once whole
+        part = DotWeight.from_codes(decode(c, kind), compact=False)
         if whole is None:
             whole = DotWeight(part.layout, part.group, *(t.new_empty((total, *t.shape[1:])) for t in
                                                          (part.codes, part.scale, part.offset)))
         for dst, src in ((whole.codes, part.codes), (whole.scale, part.scale), (whole.offset, part.offset)):
             dst[row:row + part.n].copy_(src)
         row += part.n
-    return whole
+    return whole.compact()
 
 
 def _cached_segments(config: GgufConfig | None, name: str, pieces, dtype: torch.dtype) -> list[_Segment]:

@@ -26,7 +26,7 @@ import torch
 
 logger = logging.getLogger("pagoda")
 
-FORMAT = 2  # bump when the entries' layout changes
+FORMAT = 3  # bump when the entries' layout changes
 
 
 def cache_dir() -> Path | None:
