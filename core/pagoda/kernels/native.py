@@ -4,7 +4,7 @@ Where torch has no fast CPU kernel for an op (the int8 dot products of GGUF weig
 many small per-token ops), pagoda keeps a short C file beside its Python wrapper and builds it here:
 ``cc -O3 -march=native -fopenmp -shared`` into ``$PAGODA_CACHE_DIR/kernels/`` (default
 ``$XDG_CACHE_HOME/pagoda``, else ``~/.cache/pagoda``), the library's name covering the source, the
-compiler's version, the flags and this CPU's instruction-set flags, so another machine or compiler
+compiler's binary, the flags and this CPU's instruction-set flags, so another machine or compiler
 builds its own. A build takes about a second; it is atomic (a temporary file renamed into place), so
 processes starting together each load a whole library. Without a compiler, on a CPU that is not x86,
 or where the build fails (logged once), ``load`` returns None and the caller keeps its torch path.
@@ -55,15 +55,17 @@ def _cpu_flags() -> str:
 
 @functools.lru_cache(maxsize=1)
 def _compiler() -> tuple[str, str] | None:
-    """(compiler, its --version text), or None."""
+    """(compiler, what identifies its build: the resolved binary's path, size and modification time), or
+    None. (A stat, not ``cc --version``: a start-up should not spawn a process to find a cached build.)"""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
+        real = os.path.realpath(shutil.which(compiler) or compiler)
+        stat = os.stat(real)
+    except OSError:
         return None
-    return compiler, version
+    return compiler, f"{real}:{stat.st_size}:{stat.st_mtime_ns}"
 
 
 def _build(compiler: str, source: Path, target: Path) -> None:
