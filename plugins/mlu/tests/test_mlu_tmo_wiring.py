@@ -14,7 +14,7 @@ from pagoda import kernels
 from pagoda.attention.torch_paged import TorchPagedAttention
 from pagoda.forward_context import ForwardContext, set_forward_context
 from pagoda.interfaces import AttentionSpec
-from pagoda.kernels import get_op, reference
+from pagoda.kernels import cpu_ops, get_op, reference
 from pagoda.plugins import load_plugins
 from pagoda_mlu import plugin, tmo_kernels
 from pagoda_mlu.fused_attention import MluFusedAttention
@@ -45,7 +45,8 @@ def test_kernels_registered_for_the_mlu_only_when_torch_mlu_ops_imports(monkeypa
     reg = load_plugins()
     fn, provider = reg.kernels.select("rms_norm", "mlu")
     assert fn is tmo_kernels.rms_norm and provider == "pagoda-mlu"
-    assert reg.kernels.select("rms_norm", "cpu")[0] is reference.rms_norm  # other platforms keep theirs
+    assert reg.kernels.select("rms_norm", "cpu")[0] is cpu_ops.rms_norm  # other platforms keep theirs
+    assert reg.kernels.select("rms_norm", "cuda")[0] is not tmo_kernels.rms_norm
 
 
 def test_rms_norms(tmo):
