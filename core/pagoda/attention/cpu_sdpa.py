@@ -18,6 +18,8 @@ Soft-capped logits, fp8 caches and attention-map probes go to the reference back
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -31,7 +33,9 @@ from pagoda.layers.attention import is_quantized_kv_cache
 
 class CpuStepData:
     """Per-step facts every layer reuses: for each sequence, the first cache block if its
-    blocks are consecutive (``first_block[i] >= 0``), and the decode key mask."""
+    blocks are consecutive (``first_block[i] >= 0``); the decodes' block tables and lengths for the C
+    decode attention; and, made only if a layer takes the torch path for two or more decodes, their
+    padded block ids and key mask."""
 
     def __init__(self, meta: AttentionMetadata):
         lens = meta.seq_lens_cpu
@@ -44,17 +48,24 @@ class CpuStepData:
                 row = tables[i, :n]
                 if n and int(row[-1]) - int(row[0]) == n - 1 and (n < 3 or bool(np.all(np.diff(row) == 1))):
                     self.first_block[i] = int(row[0])
-        nd = meta.num_decodes
-        self.num_decodes = nd
+        self.num_decodes = meta.num_decodes
+        self._meta = meta
         self._decode_inputs = None
-        self.decode_mask = None
-        if nd > 1:
-            longest = max(lens[:nd])
-            blocks = -(-longest // bs)
-            width = blocks * bs
-            self.decode_blocks = meta.block_tables[:nd, :blocks].long()
-            self.decode_mask = (torch.arange(width)[None, :] < torch.tensor(lens[:nd])[:, None])[:, None, None, :]
 
+    @functools.cached_property
+    def decode_blocks(self) -> torch.Tensor:
+        """int64 [B, blocks]: the decodes' block ids, as many as the longest of them needs (two or more
+        decodes on the torch path; the C decode attention reads the block tables themselves)."""
+        meta, nd = self._meta, self.num_decodes
+        blocks = -(-max(meta.seq_lens_cpu[:nd]) // meta.block_size)
+        return meta.block_tables[:nd, :blocks].long()
+
+    @functools.cached_property
+    def decode_mask(self) -> torch.Tensor:
+        """bool [B, 1, 1, width]: which of ``decode_blocks``' key slots each decode sees (its length)."""
+        meta, nd = self._meta, self.num_decodes
+        width = self.decode_blocks.shape[1] * meta.block_size
+        return (torch.arange(width)[None, :] < torch.tensor(meta.seq_lens_cpu[:nd])[:, None])[:, None, None, :]
 
     def decode_inputs(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(block tables int64 [B, max_blocks], lengths int64 [B]) of the step's decodes, made once a step."""
@@ -127,7 +138,7 @@ class CpuSdpaAttention(AttentionBackend):
         if nd and cpu_ops.decode_attention_supported(q, kv_cache):  # read through the block table in C
             tables, lens = data.decode_inputs(meta)
             cpu_ops.decode_attention(out[:nd], q[:nd], kv_cache, tables, lens, window, spec.scale)
-        elif nd == 1 or (nd and (window or data.decode_mask is None)):
+        elif nd == 1 or (nd and window):  # one at a time
             for i in range(nd):
                 self._one(out, q, k, v, kv_cache, meta, data, i, window, spec.scale)
         elif nd:

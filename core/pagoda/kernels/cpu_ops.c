@@ -80,9 +80,12 @@ void pagoda_add_rms_norm(const float *x, const float *res, int64_t t, int64_t h,
 /* Rotary embedding of `heads` heads of size hs per row (row stride sx) into out [t, heads * hs]: the first
  * `rot` dims of each head rotated by the cos/sin of row positions[t] of cache [P, rot] (cos in the first
  * half, sin in the second); neox: halves (x1 = first half, x2 = second), else interleaved pairs; dims past
- * rot copied. */
-void pagoda_rotary(const float *x, int64_t t, int64_t heads, int64_t hs, int64_t sx, const int64_t *positions,
-                   const float *cache, int64_t rot, int neox, float *out) {
+ * rot copied. Returns -1, or the first row whose position is outside the cache's P rows (nothing read past
+ * the table: every position is checked before any row is done). */
+int64_t pagoda_rotary(const float *x, int64_t t, int64_t heads, int64_t hs, int64_t sx, const int64_t *positions,
+                      const float *cache, int64_t npos, int64_t rot, int neox, float *out) {
+    for (int64_t r = 0; r < t; r++)
+        if (positions[r] < 0 || positions[r] >= npos) return r;
     const int64_t half = rot / 2;
     for (int64_t r = 0; r < t; r++) {
         const float *cs = cache + positions[r] * rot;
@@ -107,6 +110,7 @@ void pagoda_rotary(const float *x, int64_t t, int64_t heads, int64_t hs, int64_t
             if (rot < hs) memcpy(o + rot, xh + rot, sizeof(float) * (size_t)(hs - rot));
         }
     }
+    return -1;
 }
 
 /* Write rows k[t], v[t] (nk * hs floats each, row strides sk, sv) into the flat cache slots slots[t] of

@@ -31,8 +31,9 @@ def _lib():
         return None
     lib.pagoda_rms_norm.argtypes = [_P, _I, _I, _I, _P, _F, _P]
     lib.pagoda_add_rms_norm.argtypes = [_P, _P, _I, _I, _P, _F, _P, _P]
-    lib.pagoda_rotary.argtypes = [_P, _I, _I, _I, _I, _P, _P, _I, ctypes.c_int, _P]
-    for fn in (lib.pagoda_rms_norm, lib.pagoda_add_rms_norm, lib.pagoda_rotary):
+    lib.pagoda_rotary.argtypes = [_P, _I, _I, _I, _I, _P, _P, _I, _I, ctypes.c_int, _P]
+    lib.pagoda_rotary.restype = _I
+    for fn in (lib.pagoda_rms_norm, lib.pagoda_add_rms_norm):
         fn.restype = None
     lib.pagoda_store_kv.argtypes = [_P, _P, _I, _I, _I, _I, _P, _P, _P, _I]
     lib.pagoda_store_kv.restype = _I
@@ -90,17 +91,19 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     rot = cos_sin_cache.shape[-1]
     if (lib is None or not (_rows(q) and _rows(k)) or not _weight(cos_sin_cache) or q.shape[1] % head_size
             or k.shape[1] % head_size or rot > head_size or rot % 2 or positions.dtype is not torch.int64
-            or not positions.is_contiguous()):
+            or not positions.is_contiguous() or positions.numel() < max(q.shape[0], k.shape[0])):
         return reference.rotary_embedding(positions, q, k, head_size, cos_sin_cache, is_neox)
-    # past the table: the reference's IndexError, never a read outside it
-    if positions.numel() and int(positions.max()) >= cos_sin_cache.shape[0]:
-        return reference.rotary_embedding(positions, q, k, head_size, cos_sin_cache, is_neox)
+    npos = cos_sin_cache.shape[0]
     outs = []
     for x in (q, k):
         t, width = x.shape
         out = torch.empty(t, width, dtype=F32)
-        lib.pagoda_rotary(x.data_ptr(), t, width // head_size, head_size, x.stride(0), positions.data_ptr(),
-                          cos_sin_cache.data_ptr(), rot, int(bool(is_neox)), out.data_ptr())
+        # the C code checks every position against the table first (no torch reduction and sync per layer)
+        bad = lib.pagoda_rotary(x.data_ptr(), t, width // head_size, head_size, x.stride(0), positions.data_ptr(),
+                                cos_sin_cache.data_ptr(), npos, rot, int(bool(is_neox)), out.data_ptr())
+        if bad >= 0:  # the reference's IndexError, never a read outside the table
+            raise IndexError(f"rotary_embedding: position {int(positions[bad])} is outside the cos/sin cache's "
+                             f"{npos} rows")
         outs.append(out)
     return outs[0], outs[1]
 

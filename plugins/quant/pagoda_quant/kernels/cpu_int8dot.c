@@ -109,50 +109,24 @@ static inline float offset_dot(const void *O, int f16, const float *b, int64_t n
     return hsum8(acc) + rest;
 }
 
-/* Rows r0..r0+R-1 of x (quantized: codes q, scales s [K/32], sums bs [K/32] = s * sum of a group's codes)
- * against weight row j of a q4 layout: out[r * n]. R is a compile-time constant in each instantiation, so
- * that the accumulators stay in registers. The offsets' term is a float dot product, O . bs. */
-static inline __attribute__((always_inline)) void q4_rows(int R, const int8_t *q, const float *s, const float *bs,
-                                                         int64_t k, const uint8_t *codes, const void *S,
-                                                         const void *O, int f16, float *out, int64_t n) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    const int64_t groups = k / 32;
-    float prod[R][groups];
-    /* two accumulators per row, even and odd groups, so that consecutive groups' multiply-adds do not
-     * wait on each other; every R sums in the same order (a row's result does not depend on its batch) */
-    __m256 acc[4][2];
-    for (int r = 0; r < R; r++) {
-        acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-        scale_products(S, f16, s + r * groups, groups, prod[r]);
-    }
-#define Q4_STEP(g, half)                                                                                   \
-    {                                                                                                      \
-        __m256i w = q4_group(codes, g);                                                                    \
-        for (int r = 0; r < R; r++) {                                                                      \
-            __m256i a = _mm256_loadu_si256((const __m256i *)(q + r * k + 32 * (g)));                       \
-            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones);                               \
-            acc[r][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&prod[r][g]), acc[r][half]); \
-        }                                                                                                  \
-    }
-    int64_t g = 0;
-    for (; g + 1 < groups; g += 2) {
-        Q4_STEP(g, 0)
-        Q4_STEP(g + 1, 1)
-    }
-    if (g < groups) Q4_STEP(g, 0)
-#undef Q4_STEP
-    for (int r = 0; r < R; r++)
-        out[r * n] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) + offset_dot(O, f16, bs + r * groups, groups);
-}
+enum { Q4 = 0, I8 = 1 }; /* the weight layouts */
 
-/* As q4_rows for signed byte codes, groups of 32 or 16 (hs: s * sum of each 16 codes, [K/16]). */
-static inline __attribute__((always_inline)) void i8_rows(int R, int group, const int8_t *q, const float *s,
-                                                         const float *bs, const float *hs, int64_t k,
-                                                         const int8_t *codes, const void *S, const void *O,
-                                                         int f16, float *out, int64_t n) {
+/* Rows r0..r0+R-1 of x (quantized: codes q, scales s [K/32], s * sum of codes per group of 32 bs [K/32]
+ * and of 16 hs [K/16]) against one weight row (codes, scales S, offsets O): out[r * n]. R, layout and
+ * group are compile-time constants in each instantiation (the callers below), so that the accumulators
+ * stay in registers and no layout test is left in the loop over groups. Per group, the integer sum of c * a
+ * is vpmaddubsw (unsigned by signed bytes) then vpmaddwd: q4's codes are unsigned already; i8's signed
+ * codes go in as |c| (-128 stays 0x80: 128 as unsigned) with c's sign moved onto a. The offsets' term is a
+ * float dot product, O . bs (groups of 32) or O . hs (groups of 16). */
+static inline __attribute__((always_inline)) void dot_rows(int R, int layout, int group, const int8_t *q,
+                                                          const float *s, const float *bs, const float *hs,
+                                                          int64_t k, const uint8_t *codes, const void *S,
+                                                          const void *O, int f16, float *out, int64_t n) {
     const __m256i ones = _mm256_set1_epi16(1);
     const int64_t groups = k / 32;
     float prod[R][group == 32 ? groups : 1];
+    /* two accumulators per row, even and odd groups, so that consecutive groups' multiply-adds do not
+     * wait on each other; every R sums in the same order (a row's result does not depend on its batch) */
     __m256 acc[4][2];
     for (int r = 0; r < R; r++) {
         acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -161,32 +135,47 @@ static inline __attribute__((always_inline)) void i8_rows(int R, int group, cons
     float Sf[group == 16 ? 2 * groups : 1]; /* groups of 16: this row's scales as float32 */
     if (group == 16)
         for (int64_t i = 0; i < 2 * groups; i++) Sf[i] = load1(S, f16, i);
-/* |c| (-128 stays 0x80: 128 as unsigned) times a with c's sign */
-#define I8_STEP(g, half)                                                                                   \
+#define DOT_STEP(g, half)                                                                                  \
     {                                                                                                      \
-        __m256i c = _mm256_loadu_si256((const __m256i *)(codes + 32 * (g)));                               \
-        __m256i u = _mm256_sign_epi8(c, c);                                                                \
-        __m256 sw = group == 16 ? _mm256_set_m128(_mm_set1_ps(Sf[2 * (g) + 1]), _mm_set1_ps(Sf[2 * (g)]))  \
-                                : _mm256_setzero_ps();                                                     \
+        const __m256i c = layout == Q4 ? q4_group(codes, g)                                                \
+                                       : _mm256_loadu_si256((const __m256i *)(codes + 32 * (g)));          \
+        const __m256i u = layout == Q4 ? c : _mm256_sign_epi8(c, c);                                       \
+        const __m256 sw = group == 16                                                                      \
+                              ? _mm256_set_m128(_mm_set1_ps(Sf[2 * (g) + 1]), _mm_set1_ps(Sf[2 * (g)]))    \
+                              : _mm256_setzero_ps();                                                       \
         for (int r = 0; r < R; r++) {                                                                      \
             __m256i a = _mm256_loadu_si256((const __m256i *)(q + r * k + 32 * (g)));                       \
-            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(a, c)), ones);          \
-            __m256 f = group == 32 ? _mm256_broadcast_ss(&prod[r][g])                                      \
-                                   : _mm256_mul_ps(sw, _mm256_set1_ps(s[r * groups + (g)]));               \
+            if (layout == I8) a = _mm256_sign_epi8(a, c);                                                  \
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), ones);                         \
+            const __m256 f = group == 32 ? _mm256_broadcast_ss(&prod[r][g])                                \
+                                         : _mm256_mul_ps(sw, _mm256_set1_ps(s[r * groups + (g)]));         \
             acc[r][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), f, acc[r][half]);                        \
         }                                                                                                  \
     }
     int64_t g = 0;
     for (; g + 1 < groups; g += 2) {
-        I8_STEP(g, 0)
-        I8_STEP(g + 1, 1)
+        DOT_STEP(g, 0)
+        DOT_STEP(g + 1, 1)
     }
-    if (g < groups) I8_STEP(g, 0)
-#undef I8_STEP
+    if (g < groups) DOT_STEP(g, 0)
+#undef DOT_STEP
+    const int64_t sgroups = k / group;
+    const float *sums = group == 32 ? bs : hs;
     for (int r = 0; r < R; r++)
-        out[r * n] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) +
-                     (group == 32 ? offset_dot(O, f16, bs + r * groups, groups)
-                                  : offset_dot(O, f16, hs + r * 2 * groups, 2 * groups));
+        out[r * n] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) + offset_dot(O, f16, sums + r * sgroups, sgroups);
+}
+
+/* dot_rows for `rows` (1..4) activation rows, with R a constant in each case. */
+static inline __attribute__((always_inline)) void dot_tile(int rows, int layout, int group, const int8_t *q,
+                                                          const float *s, const float *bs, const float *hs,
+                                                          int64_t k, const uint8_t *codes, const void *S,
+                                                          const void *O, int f16, float *out, int64_t n) {
+    switch (rows) {
+        case 4: dot_rows(4, layout, group, q, s, bs, hs, k, codes, S, O, f16, out, n); break;
+        case 3: dot_rows(3, layout, group, q, s, bs, hs, k, codes, S, O, f16, out, n); break;
+        case 2: dot_rows(2, layout, group, q, s, bs, hs, k, codes, S, O, f16, out, n); break;
+        default: dot_rows(1, layout, group, q, s, bs, hs, k, codes, S, O, f16, out, n); break;
+    }
 }
 
 #define ROW_TILE 4   /* activation rows sharing one pass over a weight row */
@@ -215,7 +204,8 @@ int pagoda_int8dot_linear(const float *x, int64_t m, int64_t k, int64_t n, int l
         quantize_row(x + r * k, k, q + r * k, s + r * groups, hs + r * 2 * groups, bs + r * groups);
 
     const int64_t tasks = (n + COL_TILE - 1) / COL_TILE;
-    const int64_t sgroups = k / group;
+    const int64_t sgroups = layout == Q4 ? groups : k / group; /* weight scales per row */
+    const int64_t row_bytes = layout == Q4 ? k / 2 : k;        /* weight code bytes per row */
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t t = 0; t < tasks; t++) {
         const int64_t j1 = (t + 1) * COL_TILE < n ? (t + 1) * COL_TILE : n;
@@ -225,36 +215,16 @@ int pagoda_int8dot_linear(const float *x, int64_t m, int64_t k, int64_t n, int l
             const float *sr = s + r0 * groups, *hr = hs + r0 * 2 * groups, *br = bs + r0 * groups;
             for (int64_t j = t * COL_TILE; j < j1; j++) {
                 float *o = out + r0 * n + j;
-                if (layout == 0) {
-                    const uint8_t *c = (const uint8_t *)codes + j * (k / 2);
-                    const char *Sj = (const char *)S + j * groups * esize;
-                    const char *Oj = O ? (const char *)O + j * groups * esize : NULL;
-                    switch (rows) {
-                        case 4: q4_rows(4, qr, sr, br, k, c, Sj, Oj, f16, o, n); break;
-                        case 3: q4_rows(3, qr, sr, br, k, c, Sj, Oj, f16, o, n); break;
-                        case 2: q4_rows(2, qr, sr, br, k, c, Sj, Oj, f16, o, n); break;
-                        default: q4_rows(1, qr, sr, br, k, c, Sj, Oj, f16, o, n); break;
-                    }
-                } else {
-                    const int8_t *c = (const int8_t *)codes + j * k;
-                    const char *Sj = (const char *)S + j * sgroups * esize;
-                    const char *Oj = O ? (const char *)O + j * sgroups * esize : NULL;
-                    if (group == 32) {
-                        switch (rows) {
-                            case 4: i8_rows(4, 32, qr, sr, br, hr, k, c, Sj, Oj, f16, o, n); break;
-                            case 3: i8_rows(3, 32, qr, sr, br, hr, k, c, Sj, Oj, f16, o, n); break;
-                            case 2: i8_rows(2, 32, qr, sr, br, hr, k, c, Sj, Oj, f16, o, n); break;
-                            default: i8_rows(1, 32, qr, sr, br, hr, k, c, Sj, Oj, f16, o, n); break;
-                        }
-                    } else {
-                        switch (rows) {
-                            case 4: i8_rows(4, 16, qr, sr, br, hr, k, c, Sj, Oj, f16, o, n); break;
-                            case 3: i8_rows(3, 16, qr, sr, br, hr, k, c, Sj, Oj, f16, o, n); break;
-                            case 2: i8_rows(2, 16, qr, sr, br, hr, k, c, Sj, Oj, f16, o, n); break;
-                            default: i8_rows(1, 16, qr, sr, br, hr, k, c, Sj, Oj, f16, o, n); break;
-                        }
-                    }
-                }
+                const uint8_t *c = (const uint8_t *)codes + j * row_bytes;
+                const char *Sj = (const char *)S + j * sgroups * esize;
+                const char *Oj = O ? (const char *)O + j * sgroups * esize : NULL;
+                /* each call a constant layout and group: its own instantiation of dot_rows */
+                if (layout == Q4)
+                    dot_tile((int)rows, Q4, 32, qr, sr, br, hr, k, c, Sj, Oj, f16, o, n);
+                else if (group == 32)
+                    dot_tile((int)rows, I8, 32, qr, sr, br, hr, k, c, Sj, Oj, f16, o, n);
+                else
+                    dot_tile((int)rows, I8, 16, qr, sr, br, hr, k, c, Sj, Oj, f16, o, n);
             }
         }
     }
