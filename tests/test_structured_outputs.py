@@ -159,15 +159,27 @@ def test_auto_falls_back_to_llguidance(tokenizer, monkeypatch):
 
 # ---------------------------------------------------------------------------- through the engine
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    from pagoda import LLM
+def checkpoint(tmp_path_factory):
     from pagoda.testing import make_tiny_checkpoint
 
-    path = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("so"), seed=5, tokenizer=True, vocab_size=VOCAB,
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("so"), seed=5, tokenizer=True, vocab_size=VOCAB,
                                 hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                 num_key_value_heads=2, max_position_embeddings=512)
-    return LLM(model=str(path), device="cpu", dtype="float32", num_kv_blocks=256, block_size=8, max_num_seqs=8,
-               max_num_batched_tokens=64)
+
+
+def _llm(path, pipelined=False):
+    from pagoda import LLM
+
+    llm = LLM(model=str(path), device="cpu", dtype="float32", num_kv_blocks=256, block_size=8, max_num_seqs=8,
+              max_num_batched_tokens=64)
+    if pipelined:  # (on by default where the platform queues work: CUDA; on the CPU switched on)
+        llm.engine.enable_step_pipeline()
+    return llm
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    return _llm(checkpoint)
 
 
 def constrained(so, **kwargs):
@@ -176,9 +188,9 @@ def constrained(so, **kwargs):
     return SamplingParams(structured_outputs=so, **{"max_tokens": 120, "temperature": 0.8, "seed": 3, **kwargs})
 
 
-def test_the_engine_keeps_every_output_inside_its_grammar(llm):
-    """A random model through the masks: eight requests with eight grammars in one batch (sampled,
-    seeded, n=2 for one), chunked prefill, each output valid for its own grammar."""
+def eight_grammars():
+    """Eight requests: four JSON schemas, a regex, a choice (n=2), an EBNF grammar (sampled, seeded; the
+    grammar greedy) and an unconstrained greedy request; their prompts."""
     from pagoda import SamplingParams
 
     schemas = [{"type": "object", "properties": {f"k{i}": {"type": "integer", "minimum": i, "maximum": i + 9}},
@@ -189,6 +201,13 @@ def test_the_engine_keeps_every_output_inside_its_grammar(llm):
                constrained(StructuredOutputsParams(grammar='root ::= "<" [0-9] [0-9]? ">"'), temperature=0),
                SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)]  # unconstrained, in the same batch
     prompts = [[5 + i, 40 + i, 77] * (3 + i) for i in range(len(params))]
+    return schemas, params, prompts
+
+
+def test_the_engine_keeps_every_output_inside_its_grammar(llm):
+    """A random model through the masks: eight requests with eight grammars in one batch (sampled,
+    seeded, n=2 for one), chunked prefill, each output valid for its own grammar."""
+    schemas, params, prompts = eight_grammars()
     outs = llm.generate(prompts, params)
     for i, schema in enumerate(schemas):
         jsonschema.validate(json.loads(outs[i].outputs[0].text), schema)
@@ -282,3 +301,82 @@ def test_a_grammar_left_with_no_token_fails_only_its_request(llm, tokenizer):
     assert outs[0].outputs[0].finish_reason == "error" and "allows no token" in outs[0].error
     assert re.fullmatch(r"(ab)+!", outs[1].outputs[0].text)
     assert len(outs[2].outputs[0].token_ids) == 4
+
+
+def test_constrained_steps_run_in_the_step_pipeline(llm, checkpoint, monkeypatch):
+    """With the step pipeline (the default on CUDA) constrained and sampled rows no longer send the engine
+    back to one step at a time: a step is launched before the previous one's tokens are known and its
+    tokens are chosen (masks applied, greedy or sampled) once the grammars took them. The outputs are the
+    ones of steps run one at a time. A row whose mask cannot be filled, or whose grammar leaves it no
+    token, fails its request only."""
+    from pagoda import SamplingParams
+    from pagoda.structured_outputs import backends
+
+    schemas, params, prompts = eight_grammars()
+    want = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
+    piped = _llm(checkpoint, pipelined=True)
+    pipeline = piped.engine.pipeline
+    outs = piped.generate(prompts, params)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == want
+    assert pipeline.launched_ahead > 10 and pipeline.sampled_later > 10
+    for i, schema in enumerate(schemas):
+        jsonschema.validate(json.loads(outs[i].outputs[0].text), schema)
+
+    # a mask fill that raises for one request ("(xy)+!"), a grammar that forbids every token for another
+    x, y, z, w = (piped.get_tokenizer().convert_tokens_to_ids(c) for c in "xyzw")
+
+    def tamper(matcher, bitmask, row):
+        def allows(t):
+            return bool(int(bitmask[row, t // 32]) >> (t % 32) & 1)
+
+        if matcher.accepted >= 2 and (allows(x) or allows(y)):
+            raise RuntimeError("fill failed")
+        if matcher.accepted >= 2 and (allows(z) or allows(w)):
+            bitmask[row] = 0  # nothing allowed
+
+    real_batch, real_row = backends.fill_bitmasks, backends._XGrammarMatcher.fill_bitmask
+
+    def fill_batch(pairs, bitmask):
+        real_batch(pairs, bitmask)
+        for matcher, row in pairs:
+            tamper(matcher, bitmask, row)
+
+    def fill_row(matcher, bitmask, row):
+        real_row(matcher, bitmask, row)
+        tamper(matcher, bitmask, row)
+
+    monkeypatch.setattr(backends, "fill_bitmasks", fill_batch)
+    monkeypatch.setattr(backends._XGrammarMatcher, "fill_bitmask", fill_row)
+    monkeypatch.setattr(piped.engine.runner.sampler, "mask_ahead", None)  # every fill in the step
+    fine = constrained(StructuredOutputsParams(regex="(ab)+!"), temperature=0)
+    outs = piped.generate([[3, 4, 5], [6, 7, 8], [9, 10, 11], [12, 13, 14]],
+                          [constrained(StructuredOutputsParams(regex="(xy)+!"), temperature=0),
+                           constrained(StructuredOutputsParams(regex="(zw)+!")), fine,
+                           SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)])
+    assert outs[0].outputs[0].finish_reason == "error" and "fill failed" in outs[0].error
+    assert outs[1].outputs[0].finish_reason == "error" and "allows no token" in outs[1].error
+    assert re.fullmatch(r"(ab)+!", outs[2].outputs[0].text) and len(outs[3].outputs[0].token_ids) == 6
+    assert piped.get_stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.gpu
+def test_on_cuda_constrained_steps_run_ahead_with_graphs(checkpoint):
+    """On a GPU (graphs, xgrammar's CUDA mask kernel, the step pipeline on by default): the eight grammars
+    give the tokens of steps run one at a time, each output inside its grammar."""
+    from pagoda import LLM
+
+    schemas, params, prompts = eight_grammars()
+    outputs = {}
+    for pipelined in (False, True):
+        llm = LLM(model=str(checkpoint), device="cuda", dtype="float32", num_kv_blocks=256, block_size=16,
+                  max_num_seqs=8, max_num_batched_tokens=64)
+        assert llm.engine.pipeline is not None and llm.engine.runner.graphs is not None
+        if not pipelined:
+            llm.engine.pipeline = None
+        outs = llm.generate(prompts, params)
+        outputs[pipelined] = [[c.token_ids for c in o.outputs] for o in outs]
+        for i, schema in enumerate(schemas):
+            jsonschema.validate(json.loads(outs[i].outputs[0].text), schema)
+        if pipelined:
+            assert llm.engine.pipeline.sampled_later > 10
+    assert outputs[True] == outputs[False]

@@ -173,6 +173,13 @@ class SamplingParams:
         return (self.greedy and not self.needs_processing and self.logprobs is None
                 and self.prompt_logprobs is None and self.structured_outputs is None)
 
+    @property
+    def samples_on_device(self) -> bool:
+        """Nothing but a grammar mask (filled from matchers the host advances) comes between the logits
+        and the token: greedy or random selection, no logits processing, no logprobs. Such rows are
+        chosen on the device (``Sampler.select_on_device``) in steps launched ahead of the host."""
+        return not self.needs_processing and self.logprobs is None and self.prompt_logprobs is None
+
 
 def _is_number(value: object) -> bool:
     """A finite int or float (not a bool, not NaN or infinity: JSON's 1e999 parses as inf)."""

@@ -272,7 +272,8 @@ def build_plan(args) -> Plan:
     return plan
 
 
-MASK_METRICS = ("pagoda_grammar_mask_seconds_total", "pagoda_grammar_mask_rows_total", "pagoda_engine_steps_total")
+MASK_METRICS = ("pagoda_grammar_mask_seconds_total", "pagoda_grammar_mask_rows_total", "pagoda_engine_steps_total",
+                "pagoda_engine_steps_launched_ahead_total")
 
 
 def scrape(plan: Plan) -> dict[str, float]:
@@ -297,8 +298,9 @@ def measured(plan: Plan) -> dict:
     rep["structured_outputs"] = plan.structured
     if before is not None:
         after = scrape(plan)
-        seconds, rows, steps = (after[k] - before[k] for k in MASK_METRICS)
+        seconds, rows, steps, ahead = (after[k] - before[k] for k in MASK_METRICS)
         rep["grammar_mask"] = {"seconds": round(seconds, 4), "rows": int(rows), "engine_steps": int(steps),
+                               "steps_launched_ahead": int(ahead),
                                "ms_per_step": round(1000 * seconds / steps, 3) if steps else None,
                                "us_per_row": round(1e6 * seconds / rows, 2) if rows else None,
                                "share_of_wall": round(seconds / wall, 4) if wall else None}

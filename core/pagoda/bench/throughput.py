@@ -59,6 +59,9 @@ def add_parser(sub) -> None:
     p.add_argument("--lora", type=int, default=0, metavar="N", help="N distinct random LoRA adapters (all q/k/v/o "
                    "and gate/up/down projections), one per prompt round-robin (sets enable_lora and max_loras=N)")
     p.add_argument("--lora-rank", type=int, default=16, help="rank of the --lora adapters (default 16)")
+    p.add_argument("--structured-outputs", choices=("json", "regex", "choice"), default=None,
+                   help="constrain every request with the grammar `pagoda bench serve --structured-outputs` sends "
+                   "(the model needs a tokenizer: a model directory, with --load-format dummy for random weights)")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -93,11 +96,22 @@ def _one_run(llm, prompts, params, loras=None) -> dict:
         "requests_per_s": len(prompts) / elapsed, "output_tok_s": out_tokens / elapsed,
         "total_tok_s": (out_tokens + in_tokens) / elapsed,
         "times": {k: v for k, v in asdict(engine.times).items() if k != "extra"},
+        "grammar_mask": llm.get_stats().get("structured_outputs"),  # (cumulative; None unconstrained)
         "num_preemptions": engine.scheduler.stats.num_preemptions - preempt0,
         # decode steps launched before the previous step's tokens reached the host
         "steps_launched_ahead": (lookahead.launched_ahead - ahead0) if lookahead is not None else 0,
         "latency_ms": request_latencies(outputs),
     }
+
+
+def _constraint(kind: str | None):
+    """--structured-outputs: the grammar of ``pagoda bench serve``'s constrained requests."""
+    if kind is None:
+        return None
+    from pagoda.bench.serve import BENCH_CONSTRAINTS
+    from pagoda.structured_outputs import StructuredOutputsParams
+
+    return StructuredOutputsParams(**BENCH_CONSTRAINTS[kind])
 
 
 def _per_prompt(loras, n: int):
@@ -163,7 +177,7 @@ def run(args) -> int:
         hf_config = engine.hf_config
         vocab = hf_config.vocab_size
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=args.ignore_eos,
-                                detokenize=False)
+                                detokenize=False, structured_outputs=_constraint(args.structured_outputs))
         make_prompts = _prompts
         if args.images_per_prompt:  # the image workload: random images before each prompt's tokens
             from pagoda.bench.image_workload import image_prompts
@@ -234,6 +248,7 @@ def run(args) -> int:
             "workload": {**asdict(work), "ignore_eos": args.ignore_eos, "repeats": args.repeats,
                          "images_per_prompt": args.images_per_prompt, "image_size": args.image_size,
                          "lora_adapters": args.lora, "lora_rank": args.lora_rank if args.lora else None,
+                         "structured_outputs": args.structured_outputs,
                          "warmup_prompts": args.warmup_prompts, "step_tokens": engine.scheduler.max_num_batched_tokens},
             "engine_config": config.model_dump(mode="json"),
             "setup_seconds": setup_s,

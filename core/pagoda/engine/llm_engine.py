@@ -477,6 +477,9 @@ class LLMEngine:
         experts = expert_load_summary(self.runner.expert_counts)
         if experts:
             stats["expert_load"] = experts
+        if self.pipeline is not None:  # steps launched before the previous one's tokens were known
+            stats["steps_launched_ahead"] = self.pipeline.launched_ahead
+            stats["steps_sampled_after_launch"] = self.pipeline.sampled_later
         mask = self.runner.sampler.mask
         if mask.steps:  # structured outputs: the grammar masks' host cost
             stats["structured_outputs"] = mask.summary()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,7 +16,7 @@ from pagoda import kernels
 from pagoda.config import EngineConfig
 from pagoda.engine.inputs import StepInputs, build_step_inputs
 from pagoda.engine.kv_groups import KVCacheLayout, plan_kv_layout
-from pagoda.engine.sampler import Sampler, SampleResult
+from pagoda.engine.sampler import Sampler, SampleResult, fail_blocked
 from pagoda.engine.scheduler import SchedulerOutput
 from pagoda.errors import ConfigError
 from pagoda.forward_context import ForwardContext, prepared_context, set_forward_context
@@ -35,8 +35,19 @@ class PendingDecode:
 
     num_seqs: int
     tokens: torch.Tensor  # [num_seqs] int64, device
-    host: torch.Tensor  # pinned, [>= num_seqs]
+    host: torch.Tensor  # pinned, [>= num_seqs + len(grammar_rows)]: the tokens, then the grammar rows' flags
     event: object | None  # Platform.record_event() after the copy (None on devices whose copies are synchronous)
+    grammar_rows: list[int] = field(default_factory=list)  # rows whose "no token allowed" flag follows the tokens
+    failed: dict[int, BaseException] = field(default_factory=dict)  # rows that could not be sampled
+
+
+@dataclass
+class PendingLogits:
+    """A launched step whose tokens are chosen later (``ModelRunner.sample_launched``), once the host
+    has advanced the grammars its rows' masks depend on."""
+
+    logits: torch.Tensor  # [n, vocab] of the sampling rows, on the device
+    seqs: list  # the n sampling sequences, in row order
 PROMPT_LOGITS_ROWS = 512  # prompt positions whose logits are computed at once (prompt_logprobs)
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -265,32 +276,57 @@ class ModelRunner:
         device and are copied to the host in the background. ``feed`` (``pagoda.engine.pipeline.
         StepFeed``): the input ids of decode ``feed.rows`` are ``feed.tokens[feed.indices]`` (a
         previous step's tokens, not yet on the host)."""
+        logits, seqs = self._launch_forward(out, feed)
+        return self._pending_tokens(logits[:len(seqs)].argmax(dim=-1), len(seqs))
+
+    @torch.inference_mode()
+    def launch_logits(self, out: SchedulerOutput, feed=None) -> PendingLogits:
+        """Start a step as ``launch`` does, leaving the choice of its tokens to ``sample_launched``
+        (rows that sample on the device: random, or constrained by a grammar whose mask needs the
+        previous step's tokens)."""
+        logits, seqs = self._launch_forward(out, feed)
+        return PendingLogits(logits[:len(seqs)], seqs)
+
+    @torch.inference_mode()
+    def sample_launched(self, launched: PendingLogits) -> PendingDecode:
+        """Choose a launched step's tokens on the device (``Sampler.select_on_device``; nothing waits)."""
+        chosen = self.sampler.select_on_device(launched.logits, launched.seqs)
+        pending = self._pending_tokens(chosen.tokens, len(launched.seqs), chosen.blocked)
+        pending.grammar_rows, pending.failed = chosen.grammar_rows, chosen.failed
+        return pending
+
+    def _launch_forward(self, out: SchedulerOutput, feed) -> tuple[torch.Tensor, list]:
+        """(logits whose first rows are the sampling rows', the sampling sequences) of a launched step."""
         if self.graphs is not None and self.graphs.can_run(out):
             patch = None if feed is None else (feed.rows, feed.tokens.index_select(0, feed.indices))
-            logits = self.graphs.run(out, patch=patch)
-            return self._pending_greedy(logits, len(out.scheduled))
+            return self.graphs.run(out, patch=patch), [it.seq for it in out.scheduled]
         inputs = self._inputs(out)
         if feed is not None:
             inputs.input_ids.index_copy_(0, feed.rows, feed.tokens.index_select(0, feed.indices))
-        return self._pending_greedy(self._forward(inputs)[0], len(inputs.sample_seqs))
+        return self._forward(inputs)[0], inputs.sample_seqs
 
-    def _pending_greedy(self, logits: torch.Tensor, n: int) -> PendingDecode:
-        """The greedy tokens of a launched step's first ``n`` logits rows, copied to a page-locked host
-        buffer in the background (launched steps are greedy: ``pagoda.engine.pipeline``)."""
-        tokens = logits[:n].argmax(dim=-1)
+    def _pending_tokens(self, tokens: torch.Tensor, n: int, flags: torch.Tensor | None = None) -> PendingDecode:
+        """A launched step's tokens [n] (and grammar rows' flags), copied to a page-locked host buffer in
+        the background."""
         if self._token_hosts is None:
             size = max(self.config.max_num_seqs, self.graphs.max_bs if self.graphs is not None else 0)
-            self._token_hosts = [self.platform.host_buffer((size,), torch.int64) for _ in (0, 1)]
+            self._token_hosts = [self.platform.host_buffer((2 * size,), torch.int64) for _ in (0, 1)]
         host = self._token_hosts[self._token_turn]
         self._token_turn ^= 1  # two steps may be in flight: alternate the host buffers
-        host[:n].copy_(tokens, non_blocking=True)
-        return PendingDecode(n, tokens, host, self.platform.record_event())
+        if flags is not None:
+            tokens = torch.cat([tokens, flags.to(tokens.dtype)])
+        host[:tokens.shape[0]].copy_(tokens, non_blocking=True)
+        return PendingDecode(n, tokens[:n], host, self.platform.record_event())
 
     def collect_decode(self, pending: PendingDecode) -> list[int]:
-        """Wait for a launched decode step; its tokens in batch order."""
+        """Wait for a launched decode step; its tokens in batch order (rows left with no token by their
+        grammar join ``pending.failed``)."""
         if pending.event is not None:
             pending.event.synchronize()
-        return pending.host[: pending.num_seqs].tolist()
+        values = pending.host[: pending.num_seqs + len(pending.grammar_rows)].tolist()
+        if pending.grammar_rows:
+            fail_blocked(pending.grammar_rows, values[pending.num_seqs:], pending.failed)
+        return values[: pending.num_seqs]
 
     @torch.inference_mode()
     def forward_all_logits(self, out: SchedulerOutput) -> torch.Tensor:

@@ -21,8 +21,17 @@ is not scheduled again (``Scheduler.ends_by_length``). One that stops by EOS, a 
 a stop string had a token computed in N+1 that is thrown away (``commit`` skips ended
 sequences; the cache slot it wrote is in a block freed with the sequence, and the write lands
 before any later step can reuse the block). Steps are only scheduled ahead when no sequence
-can be preempted (``Scheduler.fits_without_preemption``) and every queued request samples
-greedily without penalties or logprobs; otherwise the engine runs the step as usual.
+can be preempted (``Scheduler.fits_without_preemption``) and every queued request's token can be
+chosen on the device: greedily, or (where the runner has ``launch_logits``: one device) by random
+sampling or under a grammar (``SamplingParams.samples_on_device``: no logits processing, no
+logprobs); otherwise the engine runs the step as usual.
+
+A constrained row's mask for step N+1 needs the token of step N accepted by its grammar, so such a
+step is launched without its tokens (``launch_logits``): its forward runs on the device while the
+host commits step N (advancing the grammars, whose next masks are then filled on a worker thread:
+``pagoda.structured_outputs.mask_ahead``) and hands out N's outputs; the next call chooses N+1's
+tokens (``sample_launched``: masks applied and tokens picked on the device) before it launches N+2
+fed from them. A row its grammar leaves with no token fails when its step is committed.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from pagoda.engine.model_runner import PendingLogits
 from pagoda.engine.scheduler import PENDING_TOKEN, SchedulerOutput
 from pagoda.kernels.host_upload import upload
 
@@ -50,23 +60,37 @@ class StepFeed(NamedTuple):
 class StepPipeline:
     def __init__(self, engine):
         self.engine = engine
-        self.pending = None  # (SchedulerOutput, PendingDecode): launched and advanced, not committed
+        self.pending = None  # (SchedulerOutput, PendingDecode | PendingLogits): launched and advanced, not committed
         self.launched_ahead = 0  # steps launched before their predecessor's tokens were known (stats)
+        self.sampled_later = 0  # launched steps whose tokens were chosen after the previous step's commit
         self.timeline = None  # a pagoda.engine.timeline.StepTimeline marking each launch (profiling)
 
-    def _launch(self, out: SchedulerOutput, feed=None):
+    def _launch(self, launcher, out: SchedulerOutput, feed=None):
         if self.timeline is None:
-            return self.engine.runner.launch(out, feed)
+            return launcher(out, feed)
         begin = self.timeline.mark()
-        pending = self.engine.runner.launch(out, feed)
+        pending = launcher(out, feed)
         self.timeline.add(out, begin, self.timeline.mark())
         return pending
 
-    def _plain(self) -> bool:
-        """Whether every sequence that can be scheduled samples greedily with nothing per-sequence."""
-        sched = self.engine.scheduler
+    def _launcher(self):
+        """How the next step is launched: ``runner.launch`` when every sequence that can be scheduled
+        takes the argmax, ``runner.launch_logits`` (tokens chosen at the next call) when each samples on
+        the device and the runner can, None when some request needs the host to choose its token."""
+        sched, runner = self.engine.scheduler, self.engine.runner
         distinct = {id(s.params): s.params for s in itertools.chain(sched.running, sched.waiting)}.values()
-        return all(p.argmax_only for p in distinct)
+        if all(p.argmax_only for p in distinct):
+            return runner.launch
+        if hasattr(runner, "launch_logits") and all(p.samples_on_device for p in distinct):
+            return runner.launch_logits
+        return None
+
+    def _sampled(self, launched):
+        """A launched step's PendingDecode, choosing its tokens now if they were left for later."""
+        if isinstance(launched, PendingLogits):
+            self.sampled_later += 1
+            return self.engine.runner.sample_launched(launched)
+        return launched
 
     def _feed(self, nxt: SchedulerOutput, out: SchedulerOutput, tokens: torch.Tensor) -> StepFeed | None:
         """The decodes of ``nxt`` whose input is a pending token of ``out``, as rows of nxt and
@@ -91,27 +115,31 @@ class StepPipeline:
         # streamed outputs too unless async_scheduling is off (unset: on, wherever a pipeline exists)
         ahead_ok = finished_only or eng.config.async_scheduling is not False
         if self.pending is None:
-            if not ahead_ok or not self._plain():
+            launcher = self._launcher() if ahead_ok else None
+            if launcher is None:
                 return None
             out = sched.schedule()
             t1 = time.perf_counter()
             if out.is_empty:
                 return []
             eng._mark_scheduled(out)
-            pending = self._launch(out)
+            pending = self._sampled(self._launch(launcher, out))
             sched.advance(out)
         else:
-            (out, pending), self.pending = self.pending, None
+            (out, launched), self.pending = self.pending, None
+            pending = self._sampled(launched)  # (the grammars took the previous step's tokens)
             t1 = t0
         ahead = None
-        if ahead_ok and sched.has_work_ahead() and self._plain() and sched.fits_without_preemption():
+        launcher = self._launcher() if ahead_ok and sched.has_work_ahead() else None
+        if launcher is not None and sched.fits_without_preemption():
             nxt = sched.schedule()
             if not nxt.is_empty:
                 eng._mark_scheduled(nxt)
-                ahead = (nxt, self._launch(nxt, self._feed(nxt, out, pending.tokens)))
+                ahead = (nxt, self._launch(launcher, nxt, self._feed(nxt, out, pending.tokens)))
                 self.launched_ahead += 1
         tokens = runner.collect_decode(pending)
-        outputs = eng._complete_step(out, tokens, None, finished_only, t0, t1, advanced=True)
+        outputs = eng._complete_step(out, tokens, None, finished_only, t0, t1, advanced=True,
+                                     failed=getattr(pending, "failed", None))
         if ahead is not None:
             sched.advance(ahead[0])
             self.pending = ahead

@@ -83,8 +83,12 @@ class RequestControls:
     @staticmethod
     def advance(seqs: list[Sequence], sampled: dict[int, int], broken: dict[str, BaseException]) -> None:
         """Move each constrained sequence's grammar past its sampled token; a token the grammar
-        refuses (it cannot happen through the mask, short of a bug) fails that request."""
+        refuses (it cannot happen through the mask, short of a bug) fails that request. A sequence
+        that ended in an earlier step (the step pipeline computed one more token for it, thrown away)
+        is left alone."""
         for seq in seqs:
+            if seq.is_finished:
+                continue
             if seq.pending_grammar is not None:
                 matcher, parser, initial = seq.pending_grammar
                 if parser.is_reasoning_end([*seq.output_token_ids, sampled[seq.seq_id]], initial):

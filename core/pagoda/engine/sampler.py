@@ -18,9 +18,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pagoda.engine.sequence import Sequence
+from pagoda.kernels.host_upload import upload
 from pagoda.logits_processors import process_row
 
 
@@ -56,6 +58,16 @@ class MaskCost:
                 "mask_us_per_row": 1e6 * self.seconds / self.rows if self.rows else 0.0}
 
 
+@dataclass
+class DeviceSelection:
+    """Tokens chosen without reading the device (``Sampler.select_on_device``)."""
+
+    tokens: torch.Tensor  # [N] int64, on the device
+    blocked: torch.Tensor | None = None  # [G] bool: grammar rows left with no allowed token
+    grammar_rows: list[int] = field(default_factory=list)  # the G rows ``blocked`` describes
+    failed: dict[int, BaseException] = field(default_factory=dict)  # rows whose mask could not be filled
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
@@ -87,7 +99,7 @@ class Sampler:
             tokens = [0] * len(seqs)
         rows = [seqs[i] for i in special]
         raw = (logits if len(special) == len(seqs) else
-               logits.index_select(0, torch.tensor(special, device=logits.device))).float()  # [S, V]
+               logits.index_select(0, _on(logits.device, special))).float()  # [S, V]
         failed: dict[int, BaseException] = {}  # by position in ``rows``
         blocked: list = []  # (grammar rows, device flags): rows whose grammar allows no token
         work = self._processed(raw, rows, failed, blocked)
@@ -104,6 +116,36 @@ class Sampler:
         for j, i in enumerate(special):
             tokens[i] = 0 if j in failed else picked[j]  # (a failed row's token is never used)
         return SampleResult(tokens, out, {special[j]: exc for j, exc in failed.items()})
+
+    def select_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceSelection:
+        """Tokens for logits [N, V] of rows whose requests sample on the device (``SamplingParams.
+        samples_on_device``: greedy or random, constrained or not): the step pipeline chooses a launched
+        step's tokens this way without waiting for the device. Grammar masks are filled on the host
+        from the matchers as they stand; sequences that already finished (a token computed ahead for
+        them is thrown away) take the argmax."""
+        tokens = logits.argmax(dim=-1)
+        special = [i for i, s in enumerate(seqs)
+                   if not s.is_finished and (not s.params.argmax_only or s.grammar is not None)]
+        if not special:
+            return DeviceSelection(tokens)
+        rows = [seqs[i] for i in special]
+        index = _on(logits.device, special)
+        raw = logits.index_select(0, index).float()
+        failed: dict[int, BaseException] = {}
+        blocked: list = []
+        work = self._processed(raw, rows, failed, blocked)
+        params = [s.params for s in rows]
+        random_rows = [j for j, p in enumerate(params) if not p.greedy]
+        noise = self._noise(work.shape[-1], rows, random_rows, failed)
+        try:
+            picked = _select(work, params, random_rows, noise)
+        except Exception:  # row by row on the host, pinning the failure down (reads the device)
+            picked = torch.tensor(self._pick(work, rows, failed, blocked, noise), device=tokens.device)
+            blocked = []
+        tokens.index_copy_(0, index, picked.to(tokens.dtype))
+        grammar_rows, flags = blocked[0] if blocked else ([], None)
+        return DeviceSelection(tokens, flags, [special[j] for j in grammar_rows],
+                               {special[j]: exc for j, exc in failed.items()})
 
     def prompt_logprobs(self, logits: torch.Tensor, seq: Sequence, first: int) -> dict[int, list]:
         """logits [R, V] at prompt positions first .. first + R - 1 of ``seq``: for each, the
@@ -157,25 +199,27 @@ class Sampler:
                     bitmask[j, token // 32] |= _bit(token % 32)
             self.mask.add(len(grammar), time.perf_counter() - t0)  # host time, before the device applies it
             apply_bitmask(work, bitmask)
-            index = torch.tensor(grammar, device=work.device)
+            index = _on(work.device, grammar)
             blocked.append((grammar, torch.isneginf(work.index_select(0, index)).all(dim=1)))
         return work
 
-    def _pick(self, work: torch.Tensor, rows: list[Sequence], failed: dict, blocked: list) -> list[int]:
+    def _pick(self, work: torch.Tensor, rows: list[Sequence], failed: dict, blocked: list,
+              noise: torch.Tensor | None = None) -> list[int]:
         params = [s.params for s in rows]
         random_rows = [j for j, p in enumerate(params) if not p.greedy]
-        noise = self._noise(work.shape[-1], rows, random_rows, failed)
+        if noise is None:
+            noise = self._noise(work.shape[-1], rows, random_rows, failed)
         try:
             tokens = _select(work, params, random_rows, noise)
             if not blocked:
                 return tokens.tolist()
             # one device-to-host read: the tokens and which constrained rows had no token left
             both = torch.cat([tokens, blocked[0][1].to(tokens.dtype)]).tolist()
-            _fail_blocked(blocked[0][0], both[len(rows):], failed)
+            fail_blocked(blocked[0][0], both[len(rows):], failed)
             return both[:len(rows)]
         except Exception:  # pin the failure down: the same selection, one row at a time
             if blocked:
-                _fail_blocked(blocked[0][0], blocked[0][1].tolist(), failed)
+                fail_blocked(blocked[0][0], blocked[0][1].tolist(), failed)
             picked = [0] * len(rows)
             for j in range(len(rows)):
                 if j in failed:
@@ -206,7 +250,7 @@ class Sampler:
         return noise
 
 
-def _fail_blocked(grammar_rows: list[int], none_left: list, failed: dict) -> None:
+def fail_blocked(grammar_rows: list[int], none_left: list, failed: dict) -> None:
     """A row whose every token is forbidden (its grammar with its other constraints) cannot go on."""
     for j, empty in zip(grammar_rows, none_left):
         if empty and j not in failed:
@@ -218,9 +262,9 @@ def _select(logits: torch.Tensor, params: list, random_rows: list[int], noise: t
     their temperature-scaled, top-k/top-p/min-p filtered distribution."""
     tokens = logits.argmax(dim=-1)
     if random_rows:
-        rows = torch.tensor(random_rows, device=logits.device)
+        rows = _on(logits.device, random_rows)
         sub = logits.index_select(0, rows)
-        temps = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
+        temps = _on(logits.device, [params[i].temperature for i in random_rows], logits.dtype)
         probs = _filtered_probs(sub / temps[:, None], [params[i] for i in random_rows])
         tokens[rows] = (probs / noise).argmax(dim=-1)
     return tokens
@@ -244,20 +288,26 @@ def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     top_p = [p.top_p for p in params]
     min_p = [p.min_p for p in params]
     if any(min_p):
-        mp = torch.tensor(min_p, device=probs.device, dtype=probs.dtype)
+        mp = _on(probs.device, min_p, probs.dtype)
         probs = probs.masked_fill(probs < mp[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         vocab = probs.shape[-1]
-        k = torch.tensor([k if k > 0 else vocab for k in top_k], device=probs.device)
+        k = _on(probs.device, [k if k > 0 else vocab for k in top_k])
         ranks = torch.arange(vocab, device=probs.device)[None, :]
         sorted_probs = sorted_probs.masked_fill(ranks >= k[:, None], 0.0)
-        tp = torch.tensor(top_p, device=probs.device, dtype=probs.dtype)
+        tp = _on(probs.device, top_p, probs.dtype)
         renorm = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
         before = renorm.cumsum(dim=-1) - renorm  # mass strictly above this token
         sorted_probs = sorted_probs.masked_fill(before >= tp[:, None], 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _on(device, values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A short host list on the device through pinned memory: the copy queues behind the device's work
+    instead of waiting for it (a step launched ahead may still be running; ``pagoda.kernels.host_upload``)."""
+    return upload(np.asarray(values), device, dtype)
 
 
 def _bit(i: int) -> int:

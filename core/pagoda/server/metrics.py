@@ -30,6 +30,11 @@ ENGINE_METRICS = {
     "num_preemptions": ("pagoda_preemptions", "sequences preempted (recomputed later) for lack of blocks",
                         "counter"),
     "num_steps": ("pagoda_engine_steps", "engine steps run", "counter"),
+    "steps_launched_ahead": ("pagoda_engine_steps_launched_ahead", "engine steps launched before the previous "
+                             "step's tokens reached the host (the step pipeline)", "counter"),
+    "steps_sampled_after_launch": ("pagoda_engine_steps_sampled_after_launch", "launched steps whose tokens were "
+                                   "chosen on the device after the previous step's commit (grammar masks)",
+                                   "counter"),
     "prefill_tokens_computed": ("pagoda_prefill_tokens_computed", "prompt tokens computed (not served "
                                 "from the prefix cache)", "counter"),
     "prefix_cache_hit_tokens": ("pagoda_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache",

@@ -201,4 +201,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     place: xgrammar's kernel (CUDA, or its CPU path), the same for both backends' masks."""
     import xgrammar as xgr
 
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True))
+    from pagoda.kernels.host_upload import upload
+
+    # (pinned: a copy from pageable memory would wait for the step the device is still running)
+    xgr.apply_token_bitmask_inplace(logits, upload(bitmask.numpy(), logits.device))
