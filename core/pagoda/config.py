@@ -66,7 +66,7 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = Field(False, description="never capture graphs")
     async_scheduling: bool | None = Field(None, description="launch streamed steps (the server) before the "
                                           "previous step's tokens reach the host, as offline batches are "
-                                          "(greedy requests without logprobs or penalties; docs/cuda.md); unset: "
+                                          "(requests without logprobs or logits processing; docs/cuda.md); unset: "
                                           "on where the platform runs steps ahead, without speculative decoding "
                                           "or pipeline stages")
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of identical prompt prefixes")
