@@ -127,16 +127,18 @@ def test_unknown_shape_and_model_with_shape_are_refused(tmp_path, capsys):
 
 
 def test_structured_outputs_run(tmp_path, capsys):
-    """--structured-outputs: every request under the bench's JSON schema; the run reports the masks' cost."""
+    """--structured-outputs: every request under the bench's JSON schema (here sampled: --temperature); the run
+    reports the masks' cost."""
     model = make_tiny_checkpoint("llama", tmp_path / "m", seed=2, tokenizer=True, vocab_size=300, hidden_size=32,
                                  intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                  num_key_value_heads=2, max_position_embeddings=128)
     out = tmp_path / "r.json"
     code = main(["bench", "throughput", "--model", str(model), "--device", "cpu", "--num-prompts", "3",
                  "--input-len", "8", "--output-len", "12", "--repeats", "1", "--structured-outputs", "json",
+                 "--temperature", "0.7",
                  "--bandwidth-gbs", "10", "--matmul-tflops", "0.1", "--json", str(out)])
     assert code == 0
     res = json.loads(out.read_text())
-    assert res["workload"]["structured_outputs"] == "json"
+    assert res["workload"]["structured_outputs"] == "json" and res["workload"]["temperature"] == 0.7
     run = res["runs"][0]
     assert 3 <= run["output_tokens"] <= 36 and run["grammar_mask"]["mask_rows"] >= run["output_tokens"]

@@ -59,6 +59,8 @@ def add_parser(sub) -> None:
     p.add_argument("--lora", type=int, default=0, metavar="N", help="N distinct random LoRA adapters (all q/k/v/o "
                    "and gate/up/down projections), one per prompt round-robin (sets enable_lora and max_loras=N)")
     p.add_argument("--lora-rank", type=int, default=16, help="rank of the --lora adapters (default 16)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the workload's requests "
+                   "(default 0: greedy; above 0 they sample, unseeded)")
     p.add_argument("--structured-outputs", choices=("json", "regex", "choice"), default=None,
                    help="constrain every request with the grammar `pagoda bench serve --structured-outputs` sends "
                    "(the model needs a tokenizer: a model directory, with --load-format dummy for random weights)")
@@ -176,7 +178,7 @@ def run(args) -> int:
         runner = engine.runner
         hf_config = engine.hf_config
         vocab = hf_config.vocab_size
-        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=args.ignore_eos,
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=args.ignore_eos,
                                 detokenize=False, structured_outputs=_constraint(args.structured_outputs))
         make_prompts = _prompts
         if args.images_per_prompt:  # the image workload: random images before each prompt's tokens
@@ -248,7 +250,7 @@ def run(args) -> int:
             "workload": {**asdict(work), "ignore_eos": args.ignore_eos, "repeats": args.repeats,
                          "images_per_prompt": args.images_per_prompt, "image_size": args.image_size,
                          "lora_adapters": args.lora, "lora_rank": args.lora_rank if args.lora else None,
-                         "structured_outputs": args.structured_outputs,
+                         "structured_outputs": args.structured_outputs, "temperature": args.temperature,
                          "warmup_prompts": args.warmup_prompts, "step_tokens": engine.scheduler.max_num_batched_tokens},
             "engine_config": config.model_dump(mode="json"),
             "setup_seconds": setup_s,
