@@ -107,6 +107,14 @@ def test_batched_fill_equals_one_row_at_a_time(manager, tokenizer):
     for m, row in zip(matchers, rows):
         m.fill_bitmask(single, row)
     assert torch.equal(batched, single) and bool((batched[rows] != 0).any(dim=1).all())
+    # every filled row is written whole, the padded ids past the tokenizer's included (the fill ahead starts
+    # from uninitialised memory); rows given in order take the copy path, in any order the gather path
+    for order in ([0, 1, 2], rows):
+        for sentinel in (0x5A5A5A5A, -0x5A5A5A5B):
+            mask = torch.full((5, (VOCAB + 31) // 32), sentinel, dtype=torch.int32)
+            fill_bitmasks(list(zip(matchers, order)), mask)
+            assert not bool((mask[order] == sentinel).any()) and torch.equal(mask[order], single[rows])
+            assert bool((mask[[r for r in range(5) if r not in order]] == sentinel).all())
 
 
 def test_compile_errors_name_the_field(manager):
@@ -297,10 +305,13 @@ def test_a_grammar_left_with_no_token_fails_only_its_request(llm, tokenizer):
     stuck = constrained(StructuredOutputsParams(regex="a+"), allowed_token_ids=[b], temperature=0)
     fine = constrained(StructuredOutputsParams(regex="(ab)+!"), temperature=0)
     plain = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    outs = llm.generate([[3, 4, 5], [6, 7, 8], [9, 10, 11]], [stuck, fine, plain])
+    sampled = SamplingParams(max_tokens=6, temperature=0.9, seed=11, ignore_eos=True)  # unconstrained, not argmax
+    outs = llm.generate([[3, 4, 5], [6, 7, 8], [9, 10, 11], [12, 13]], [stuck, fine, plain, sampled])
     assert outs[0].outputs[0].finish_reason == "error" and "allows no token" in outs[0].error
     assert re.fullmatch(r"(ab)+!", outs[1].outputs[0].text)
     assert len(outs[2].outputs[0].token_ids) == 4
+    # the sampled row shares the constrained rows' mask tensor: all its tokens allowed, as alone
+    assert outs[3].outputs[0].token_ids == llm.generate([[12, 13]], sampled)[0].outputs[0].token_ids
 
 
 def test_constrained_steps_run_in_the_step_pipeline(llm, checkpoint, monkeypatch):

@@ -178,10 +178,13 @@ class Sampler:
             except Exception as exc:
                 failed[j] = exc
         if grammar:
-            from pagoda.structured_outputs.backends import apply_bitmask, fill_bitmasks
+            from pagoda.structured_outputs.backends import apply_bitmask, fill_bitmasks, row_index
 
             t0 = time.perf_counter()
-            bitmask = torch.full((len(rows), (work.shape[-1] + 31) // 32), -1, dtype=torch.int32)  # all allowed
+            # every grammar row is written whole below (or its request fails); the others allow every token
+            bitmask = torch.empty((len(rows), (work.shape[-1] + 31) // 32), dtype=torch.int32)
+            if len(grammar) < len(rows):
+                bitmask[row_index([j for j, s in enumerate(rows) if s.grammar is None])] = -1
             todo = [(rows[j].grammar, j) for j in grammar]
             if self.mask_ahead is not None:  # rows filled while the engine did its host work
                 todo = self.mask_ahead.take(bitmask, todo)

@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from pagoda.structured_outputs.backends import GrammarMatcher, fill_bitmasks
+from pagoda.structured_outputs.backends import GrammarMatcher, fill_bitmasks, row_index
 
 logger = logging.getLogger("pagoda")
 
@@ -52,7 +52,7 @@ class MaskAhead:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar-mask")
         self._rows = {id(m): (i, m.accepted) for i, m in enumerate(live)}
         self._matchers = live
-        bitmask = torch.full((len(live), self.width), -1, dtype=torch.int32)
+        bitmask = torch.empty((len(live), self.width), dtype=torch.int32)  # (every row is written whole)
         self._job = self._pool.submit(_fill, [(m, i) for i, m in enumerate(live)], bitmask)
 
     def wait(self) -> None:
@@ -85,7 +85,7 @@ class MaskAhead:
             else:
                 missing.append((matcher, row))
         if dst:
-            bitmask[dst] = ready[src]
+            bitmask[row_index(dst)] = ready[row_index(src)]
             self.rows_used += len(dst)
         return missing
 
