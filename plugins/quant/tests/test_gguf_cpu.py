@@ -67,6 +67,7 @@ def test_int8_dot_matmul_is_the_reference_with_int8_activations(ggml_type, rows,
     assert dot.scale.dtype == (torch.float32 if k_quant else torch.float16)
     assert (dot.offset is None) == (ggml_type == "Q8_0")
     torch.testing.assert_close(dot.widen(), weight, rtol=1e-6, atol=1e-6 * float(weight.abs().max()))
+    assert torch.equal(dot.widen(), dot.widen_reference())  # the C widening (prefill) is torch's, bit for bit
     ids = torch.tensor([0, 17, 39, 5])
     torch.testing.assert_close(dot.rows(ids), weight[ids], rtol=1e-6, atol=1e-6 * float(weight.abs().max()))
     x = torch.from_numpy(rng.standard_normal((rows, 512)).astype(np.float32))

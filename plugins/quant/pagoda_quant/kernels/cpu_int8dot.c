@@ -235,7 +235,45 @@ int pagoda_int8dot_linear(const float *x, int64_t m, int64_t k, int64_t n, int l
     return 0;
 }
 
+/* w[N, K] float32 = S * c + O, as torch computes it (a product, then a sum: not contracted into one fused
+ * multiply-add, so the result is bit-identical to DotWeight.widen's torch reference): a prefill's float GEMM
+ * needs each weight widened once per call, which in torch ops cost about 8 ns per weight. */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+void pagoda_int8dot_widen(int64_t k, int64_t n, int layout, int group, const void *codes, const void *S,
+                          const void *O, int f16, float *out, int threads) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+    const int64_t sgroups = k / group, row_bytes = layout == Q4 ? k / 2 : k;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *c = (const uint8_t *)codes + j * row_bytes;
+        float *w = out + j * k;
+        for (int64_t g = 0; g < sgroups; g++) {
+            const float scale = load1(S, f16, j * sgroups + g), offset = O ? load1(O, f16, j * sgroups + g) : 0.0f;
+            float *wg = w + g * group;
+            if (layout == Q4) { /* byte i of the group: code i (low nibble) and code i + 16 (high) */
+                const uint8_t *b = c + 16 * g;
+                for (int i = 0; i < 16; i++) {
+                    wg[i] = (float)(b[i] & 0x0F) * scale;
+                    wg[i + 16] = (float)(b[i] >> 4) * scale;
+                }
+            } else {
+                const int8_t *b = (const int8_t *)c + g * group;
+                for (int i = 0; i < group; i++) wg[i] = (float)b[i] * scale;
+            }
+            if (O)
+                for (int i = 0; i < group; i++) wg[i] += offset;
+        }
+    }
+}
+
 #else
+
+void pagoda_int8dot_widen(int64_t k, int64_t n, int layout, int group, const void *codes, const void *S,
+                          const void *O, int f16, float *out, int threads) {}
 
 int pagoda_int8dot_linear(const float *x, int64_t m, int64_t k, int64_t n, int layout, int group,
                           const void *codes, const void *S, const void *O, int f16, float *out, int threads) {

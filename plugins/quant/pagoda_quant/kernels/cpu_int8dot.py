@@ -41,6 +41,11 @@ def _library():
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    widen = lib.pagoda_int8dot_widen
+    widen.restype = None
+    widen.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                      ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    fn.widen = widen
     return fn
 
 
@@ -112,7 +117,18 @@ class DotWeight:
         return out
 
     def widen(self) -> torch.Tensor:
-        """The weight, float32 [N, K]."""
+        """The weight, float32 [N, K] (in C where the kernel is built: a prefill widens every weight per call)."""
+        lib = _library()
+        if lib is not None:
+            out = torch.empty(self.n, self.k, dtype=F32)
+            offset = 0 if self.offset is None else self.offset.data_ptr()
+            lib.widen(self.k, self.n, self.layout, self.group, self.codes.data_ptr(), self.scale.data_ptr(), offset,
+                      self.f16, out.data_ptr(), torch.get_num_threads())
+            return out
+        return self.widen_reference()
+
+    def widen_reference(self) -> torch.Tensor:
+        """``widen`` in torch ops (the reference the C version equals bit for bit)."""
         w = self._codes(None).float().view(self.n, -1, self.group) * self.scale.float()[..., None]
         if self.offset is not None:
             w += self.offset.float()[..., None]
