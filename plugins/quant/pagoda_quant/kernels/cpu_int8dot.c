@@ -254,11 +254,14 @@ void pagoda_int8dot_widen(int64_t k, int64_t n, int layout, int group, const voi
         for (int64_t g = 0; g < sgroups; g++) {
             const float scale = load1(S, f16, j * sgroups + g), offset = O ? load1(O, f16, j * sgroups + g) : 0.0f;
             float *wg = w + g * group;
-            if (layout == Q4) { /* byte i of the group: code i (low nibble) and code i + 16 (high) */
-                const uint8_t *b = c + 16 * g;
-                for (int i = 0; i < 16; i++) {
-                    wg[i] = (float)(b[i] & 0x0F) * scale;
-                    wg[i + 16] = (float)(b[i] >> 4) * scale;
+            if (layout == Q4) { /* codes 0..15 then 16..31 (q4_group), eight at a time */
+                const __m256i q = q4_group(c, g);
+                const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+                const __m256 s8 = _mm256_set1_ps(scale);
+                for (int h = 0; h < 4; h++) {
+                    __m128i part = h & 1 ? _mm_srli_si128(halves[h >> 1], 8) : halves[h >> 1];
+                    __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part)), s8);
+                    _mm256_storeu_ps(wg + 8 * h, v);
                 }
             } else {
                 const int8_t *b = (const int8_t *)c + g * group;
