@@ -67,10 +67,10 @@ class CpuStepData:
         width = self.decode_blocks.shape[1] * meta.block_size
         return (torch.arange(width)[None, :] < torch.tensor(meta.seq_lens_cpu[:nd])[:, None])[:, None, None, :]
 
-    def decode_inputs(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(block tables int64 [B, max_blocks], lengths int64 [B]) of the step's decodes, made once a step."""
         if self._decode_inputs is None:
-            nd = self.num_decodes
+            meta, nd = self._meta, self.num_decodes
             self._decode_inputs = (meta.block_tables[:nd].to(torch.int64).contiguous(),
                                    torch.tensor(meta.seq_lens_cpu[:nd], dtype=torch.int64))
         return self._decode_inputs
@@ -136,7 +136,7 @@ class CpuSdpaAttention(AttentionBackend):
         nd = meta.num_decodes
         window = spec.sliding_window
         if nd and cpu_ops.decode_attention_supported(q, kv_cache):  # read through the block table in C
-            tables, lens = data.decode_inputs(meta)
+            tables, lens = data.decode_inputs()
             cpu_ops.decode_attention(out[:nd], q[:nd], kv_cache, tables, lens, window, spec.scale)
         elif nd == 1 or (nd and window):  # one at a time
             for i in range(nd):

@@ -138,8 +138,7 @@ class StepPipeline:
                 ahead = (nxt, self._launch(launcher, nxt, self._feed(nxt, out, pending.tokens)))
                 self.launched_ahead += 1
         tokens = runner.collect_decode(pending)
-        outputs = eng._complete_step(out, tokens, None, finished_only, t0, t1, advanced=True,
-                                     failed=getattr(pending, "failed", None))
+        outputs = eng._complete_step(out, tokens, None, finished_only, t0, t1, advanced=True, failed=pending.failed)
         if ahead is not None:
             sched.advance(ahead[0])
             self.pending = ahead

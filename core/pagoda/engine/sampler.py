@@ -97,12 +97,7 @@ class Sampler:
                 return SampleResult(tokens, [None] * len(seqs))
         else:
             tokens = [0] * len(seqs)
-        rows = [seqs[i] for i in special]
-        raw = (logits if len(special) == len(seqs) else
-               logits.index_select(0, _on(logits.device, special))).float()  # [S, V]
-        failed: dict[int, BaseException] = {}  # by position in ``rows``
-        blocked: list = []  # (grammar rows, device flags): rows whose grammar allows no token
-        work = self._processed(raw, rows, failed, blocked)
+        rows, raw, work, failed, blocked = self._special(logits, seqs, special, _subset(logits, seqs, special))
         picked = self._pick(work, rows, failed, blocked)
         out: list = [None] * len(seqs)
         if any(s.params.logprobs is not None for s in rows):
@@ -128,12 +123,8 @@ class Sampler:
                    if not s.is_finished and (not s.params.argmax_only or s.grammar is not None)]
         if not special:
             return DeviceSelection(tokens)
-        rows = [seqs[i] for i in special]
-        index = _on(logits.device, special)
-        raw = logits.index_select(0, index).float()
-        failed: dict[int, BaseException] = {}
-        blocked: list = []
-        work = self._processed(raw, rows, failed, blocked)
+        index = _subset(logits, seqs, special)
+        rows, _, work, failed, blocked = self._special(logits, seqs, special, index)
         params = [s.params for s in rows]
         random_rows = [j for j, p in enumerate(params) if not p.greedy]
         noise = self._noise(work.shape[-1], rows, random_rows, failed)
@@ -142,10 +133,24 @@ class Sampler:
         except Exception:  # row by row on the host, pinning the failure down (reads the device)
             picked = torch.tensor(self._pick(work, rows, failed, blocked, noise), device=tokens.device)
             blocked = []
-        tokens.index_copy_(0, index, picked.to(tokens.dtype))
+        if index is None:
+            tokens = picked.to(tokens.dtype)
+        else:
+            tokens.index_copy_(0, index, picked.to(tokens.dtype))
         grammar_rows, flags = blocked[0] if blocked else ([], None)
         return DeviceSelection(tokens, flags, [special[j] for j in grammar_rows],
                                {special[j]: exc for j, exc in failed.items()})
+
+    def _special(self, logits: torch.Tensor, seqs: list[Sequence], special: list[int],
+                 index: torch.Tensor | None) -> tuple:
+        """The rows ``special`` (``index`` on the device; None: every row) that take more than the argmax:
+        (their sequences, their raw logits float32 [S, V], those logits after processing and grammar masks,
+        failed rows by position in them, the grammar rows' "no token left" flags)."""
+        rows = [seqs[i] for i in special]
+        raw = (logits if index is None else logits.index_select(0, index)).float()
+        failed: dict[int, BaseException] = {}  # by position in ``rows``
+        blocked: list = []  # (grammar rows, device flags): rows whose grammar allows no token
+        return rows, raw, self._processed(raw, rows, failed, blocked), failed, blocked
 
     def prompt_logprobs(self, logits: torch.Tensor, seq: Sequence, first: int) -> dict[int, list]:
         """logits [R, V] at prompt positions first .. first + R - 1 of ``seq``: for each, the
@@ -314,6 +319,11 @@ def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
         sorted_probs = sorted_probs.masked_fill(before >= tp[:, None], 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _subset(logits: torch.Tensor, seqs: list, special: list[int]) -> torch.Tensor | None:
+    """``special`` on the logits' device, or None when it is every row."""
+    return None if len(special) == len(seqs) else _on(logits.device, special)
 
 
 def _on(device, values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
