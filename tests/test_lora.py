@@ -9,7 +9,7 @@ import torch
 from pagoda import LLM, SamplingParams
 from pagoda.errors import RequestError
 from pagoda.lora import LoRARequest
-from pagoda.lora.ops import lora_expand, lora_shrink
+from pagoda.lora.ops import lora_expand, lora_fused, lora_shrink, two_kernel_update
 from pagoda.testing import make_tiny_checkpoint, random_prompts
 from pagoda.testing.lora import make_peft_adapter, peft_greedy_tokens
 
@@ -203,6 +203,57 @@ def test_reference_ops_match_a_per_token_loop():
         if slot >= 0:
             want[i] += b[slot] @ (a[slot] @ x[i])
     torch.testing.assert_close(got, want)
+    torch.testing.assert_close(lora_fused(x, y.clone(), a, b, slots), want)  # the one-op update
+    torch.testing.assert_close(two_kernel_update(lora_shrink, lora_expand)(x, y.clone(), a, b, slots), want)
+
+
+def test_layers_make_one_update_call_per_layer(monkeypatch):
+    """An adapted layer adds its update with one op, the platform's ``lora_fused``, told the pieces of a
+    fused layer (its B is block-diagonal over them); where no provider registers ``lora_fused``, with
+    the platform's ``lora_shrink`` then ``lora_expand``."""
+    from pagoda import kernels
+    from pagoda.errors import PluginError
+    from pagoda.forward_context import ForwardContext, set_forward_context
+    from pagoda.layers.linear import QKVParallelLinear
+    from pagoda.lora import layers as lora_layers
+    from pagoda.lora.manager import LoRAMapping
+
+    gen = torch.Generator().manual_seed(4)
+    layer = QKVParallelLinear(16, 4, 4, 2, params_dtype=torch.float32)  # q 16, k 8, v 8 columns
+    layer.weight.data.zero_()
+    method = lora_layers.LoRALinearMethod(layer.quant_method, 2, 3, 2, 16, 32, torch.float32, torch.device("cpu"))
+    layer.quant_method = method
+    want = torch.zeros(3, 32)
+    x = torch.randn(3, 16, generator=gen)
+    for piece, (offset, size) in enumerate([(0, 16), (16, 8), (24, 8)]):
+        a, b = torch.randn(2, 16, generator=gen), torch.randn(size, 2, generator=gen)
+        method.write_piece(1, piece, a, b, offset)
+        want[:, offset:offset + size] = x @ a.T @ b.T
+    want[1] = 0  # a base row
+    mapping = LoRAMapping(torch.tensor([1, -1, 1]), True)
+    calls = []
+
+    def fused(*args):
+        calls.append(args[-1])
+        return lora_fused(*args)
+
+    real_get_op = kernels.get_op
+    monkeypatch.setattr(kernels, "get_op", lambda name: fused if name == "lora_fused" else real_get_op(name))
+    with set_forward_context(ForwardContext(attn_metadata=None, backends={}, lora=mapping)):
+        torch.testing.assert_close(layer.quant_method.apply(layer, x, None), want)
+    assert calls == [(16, 8, 8)]
+
+    def no_fused(name):
+        if name == "lora_fused":
+            raise PluginError("kernel op 'lora_fused' is unavailable")
+        calls.append(name)
+        return real_get_op(name)
+
+    monkeypatch.setattr(kernels, "get_op", no_fused)
+    method.update = None
+    with set_forward_context(ForwardContext(attn_metadata=None, backends={}, lora=mapping)):
+        torch.testing.assert_close(layer.quant_method.apply(layer, x, None), want)
+    assert calls[1:] == ["lora_shrink", "lora_expand"]
 
 
 def test_generate_cli_with_an_adapter(models, capsys):

@@ -1,8 +1,10 @@
 """The LoRA update on pagoda's linear layers: ``y = base(x) + expand(shrink(x))`` per row's adapter.
 
 Each adapted ``LinearBase`` gets its quant method wrapped by ``LoRALinearMethod``: the base GEMM
-runs once for the whole batch (quantized or not), then the batched shrink/expand ops add every
-token's low-rank update from the slot its sequence's adapter occupies (``ForwardContext.lora``).
+runs once for the whole batch (quantized or not), then the kernel op ``lora_fused`` (shrink and
+expand in one op: one launch on CUDA) adds every token's low-rank update from the slot its
+sequence's adapter occupies (``ForwardContext.lora``). A platform without ``lora_fused`` runs its
+``lora_shrink`` then its ``lora_expand``.
 The update is added before a row-parallel layer's all-reduce and before a column-parallel
 layer's gather, so tensor parallelism shards A and B as the base weight is sharded:
 column-parallel layers keep A whole and split B's rows, row-parallel layers split A's columns
@@ -18,9 +20,20 @@ import torch
 from torch import nn
 
 from pagoda import kernels
+from pagoda.errors import PluginError
 from pagoda.forward_context import get_forward_context
 from pagoda.interfaces import QuantMethod
 from pagoda.layers.linear import LinearBase
+from pagoda.lora.ops import two_kernel_update
+
+
+def lora_update_op():
+    """The platform's ``lora_fused`` (the core's reference where no plugin has its own); where no
+    provider registers it, the platform's ``lora_shrink`` then ``lora_expand``."""
+    try:
+        return kernels.get_op("lora_fused")
+    except PluginError:
+        return two_kernel_update(kernels.get_op("lora_shrink"), kernels.get_op("lora_expand"))
 
 
 class LoRALinearMethod(QuantMethod):
@@ -33,6 +46,7 @@ class LoRALinearMethod(QuantMethod):
         width = num_pieces * max_rank
         self.a_stack = torch.zeros(num_slots, width, input_size, dtype=dtype, device=device)  # [S, R, K]
         self.b_stack = torch.zeros(num_slots, output_size, width, dtype=dtype, device=device)  # [S, N, R]
+        self.update = None  # the update op, resolved at the first step (kernels.activate comes first)
 
     def __getattr__(self, name):  # anything else a caller asks of the method is the base's
         if name == "base":
@@ -46,9 +60,12 @@ class LoRALinearMethod(QuantMethod):
             return y
         shape = y.shape
         x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, shape[-1])
-        slots, order, tiles = mapping.token_slots, mapping.token_order, mapping.tiles
-        h = kernels.get_op("lora_shrink")(x2, self.a_stack, slots, order, tiles)  # [P, T, R] partial sums
-        return kernels.get_op("lora_expand")(y2, h, self.b_stack, slots, order, tiles).reshape(shape)
+        if self.update is None:
+            self.update = lora_update_op()
+        # b_stack is block-diagonal over the pieces (write_piece): a kernel may skip the zero blocks
+        pieces = tuple(layer.output_partition_sizes) if self.num_pieces > 1 else None
+        return self.update(x2, y2, self.a_stack, self.b_stack, mapping.token_slots, mapping.token_order,
+                           mapping.tiles, pieces).reshape(shape)
 
     # -- slots
     def clear_slot(self, slot: int) -> None:

@@ -1,5 +1,5 @@
 """Torch reference of the batched LoRA ops (signatures shared with the Triton kernels of
-pagoda-cuda, registered as kernel ops ``lora_shrink`` and ``lora_expand``).
+pagoda-cuda, registered as kernel ops ``lora_shrink``, ``lora_expand`` and ``lora_fused``).
 
 Every token of the flattened batch carries the slot of its sequence's adapter (-1: the base
 model). Adapter weights of one layer are stacked over slots:
@@ -9,12 +9,17 @@ shrink:  h[p, t] = partial sums of x[t] @ a_stack[slot[t]].T over P slices of K
                                                    [T, K] -> [P, T, R] (float32; P >= 1;
                                                    a base token's rows are unspecified)
 expand:  y[t] += (sum over p of h[p, t]) @ b_stack[slot[t]].T     adds into y [T, N]
+fused:   y[t] += (x[t] @ a_stack[slot[t]].T) @ b_stack[slot[t]].T   both in one op (a kernel: one
+                                                   launch, h never leaves the program)
 The partial sums let a kernel split K over programs when the batch is small (a decode step)
 without an extra reduction launch: the expand adds them up as it reads them. This reference
 returns P = 1. Optional, for kernels (the result does not depend on them): ``token_order`` [T]
 int64, the tokens sorted by slot, and ``tiles`` [3, NT] int64 (``token_tiles``): runs of at most
 TILE_TOKENS sorted tokens that share one adapter, as (start in the order, length, slot), so that
 each kernel program multiplies one adapter's weights (SGMV); zero-length tiles pad a fixed grid.
+``lora_fused`` also takes ``piece_sizes``: the output widths of a fused layer's pieces (q/k/v,
+gate/up) when ``b_stack`` is block-diagonal over them (piece i's rows use only rank columns
+i*R/len(piece_sizes)..), so that a kernel can skip the zero blocks; the result does not depend on it.
 Gather-based (BGMV-style): no host synchronisation, so a captured graph replays it.
 """
 
@@ -90,4 +95,19 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, b_stack: torch.Tensor, token_s
     return y
 
 
-OPS = ("lora_shrink", "lora_expand")
+def lora_fused(x: torch.Tensor, y: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
+               token_slots: torch.Tensor, token_order: torch.Tensor | None = None, tiles: torch.Tensor | None = None,
+               piece_sizes: tuple[int, ...] | None = None) -> torch.Tensor:
+    """y [T, N] += (x [T, K] @ a_stack[slot].T) @ b_stack[slot].T per token (in place; returned)."""
+    return lora_expand(y, lora_shrink(x, a_stack, token_slots), b_stack, token_slots)
+
+
+def two_kernel_update(shrink, expand):
+    """``lora_fused``'s signature over a platform's ``lora_shrink`` and ``lora_expand`` (two launches)."""
+    def update(x, y, a_stack, b_stack, token_slots, token_order=None, tiles=None, piece_sizes=None):
+        h = shrink(x, a_stack, token_slots, token_order, tiles)
+        return expand(y, h, b_stack, token_slots, token_order, tiles)
+    return update
+
+
+OPS = ("lora_shrink", "lora_expand", "lora_fused")

@@ -25,6 +25,7 @@ KERNELS = {
     "topk_softmax": "pagoda_cuda.ops.moe_routing:topk_softmax",
     "lora_shrink": "pagoda_cuda.ops.lora:lora_shrink",
     "lora_expand": "pagoda_cuda.ops.lora:lora_expand",
+    "lora_fused": "pagoda_cuda.ops.lora:lora_fused",
     # pagoda-quant's ops (its formats; references in pagoda_quant.kernels.reference): used only when
     # pagoda-quant's methods run, so pagoda-quant need not be installed for the rest
     "fp8_linear": "pagoda_cuda.quant.dispatch:fp8_linear",

@@ -3,6 +3,14 @@ which add nothing), SGMV-style. Signatures and shapes: ``pagoda.lora.ops`` (the 
   shrink  h [P, T, R] = partial sums over P slices of K of x [T, K] @ a_stack[slot].T (float32)
           grid (tiles, R / BLOCK_R, P)
   expand  y [T, N] += (sum of h over P) @ b_stack[slot].T       grid (tiles, N / BLOCK_N)
+  fused   y [T, N] += (x @ a_stack[slot].T) @ b_stack[slot].T   grid (column groups, tiles): one launch
+The fused kernel (what the layers call) gives each program one tile and one group of output columns:
+it computes the tile's h = x_tile @ A_slot.T over the whole K in registers, then adds h @ B_slot.T
+over its columns, BLOCK_N at a time, into y. Every column group of a tile recomputes that tile's h
+(x_tile and A_slot are read again, from L2): the group width is chosen from the number of tiles
+(``fused_config``) so that the grid fills the device with as little recomputation as it needs. Of a
+fused layer (q/k/v, gate/up) whose B is block-diagonal over its pieces, a column group lies in one
+piece and computes only that piece's rank columns of h (a third of the shrink for q/k/v).
 The work list comes from the host (``pagoda.lora.ops.token_tiles``): the tokens sorted by slot, cut
 into tiles of at most TILE_TOKENS tokens of one adapter each, so every program multiplies one
 adapter's weights with no loop over adapters and no data-dependent control flow: a prefill chunk
@@ -31,16 +39,15 @@ MAX_SPLIT = 8  # partials the expand sums per token
 
 
 @triton.jit
-def _tile(tiles_ptr, tiles_stride, order_ptr, BLOCK_T: tl.constexpr):
-    """This program's tile: its tokens (masked beyond its length) and its adapter's slot."""
-    tile = tl.program_id(0)
+def _tile(tiles_ptr, tiles_stride, order_ptr, tile, BLOCK_T: tl.constexpr):
+    """Tile ``tile``: its tokens (masked beyond its length), its length and its adapter's slot."""
     start = tl.load(tiles_ptr + tile)
     length = tl.load(tiles_ptr + tiles_stride + tile)
     slot = tl.load(tiles_ptr + 2 * tiles_stride + tile)
     lanes = tl.arange(0, BLOCK_T)
     inside = lanes < length
     tokens = tl.load(order_ptr + start + lanes, mask=inside, other=0).to(tl.int64)
-    return tokens, inside, slot.to(tl.int64)
+    return tokens, inside, length, slot.to(tl.int64)
 
 
 @triton.jit
@@ -48,7 +55,7 @@ def _shrink_kernel(x_ptr, x_stride, a_ptr, a_slot_stride, a_row_stride, tiles_pt
                    h_ptr, h_split_stride, h_stride, K_PER_SPLIT, K: tl.constexpr, R, NATIVE: tl.constexpr,
                    IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     # K (a layer's input width) is a compile-time constant: a handful per model
-    tokens, inside, slot = _tile(tiles_ptr, tiles_stride, order_ptr, BLOCK_T)
+    tokens, inside, _, slot = _tile(tiles_ptr, tiles_stride, order_ptr, tl.program_id(0), BLOCK_T)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     k_begin = tl.program_id(2) * K_PER_SPLIT
     k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
@@ -74,7 +81,7 @@ def _shrink_kernel(x_ptr, x_stride, a_ptr, a_slot_stride, a_row_stride, tiles_pt
 def _expand_kernel(y_ptr, y_stride, h_ptr, h_split_stride, h_stride, b_ptr, b_slot_stride, b_row_stride,
                    tiles_ptr, tiles_stride, order_ptr, N, R, SPLIT: tl.constexpr, IEEE: tl.constexpr,
                    PLAIN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    tokens, inside, slot = _tile(tiles_ptr, tiles_stride, order_ptr, BLOCK_T)
+    tokens, inside, _, slot = _tile(tiles_ptr, tiles_stride, order_ptr, tl.program_id(0), BLOCK_T)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ranks = tl.arange(0, BLOCK_R)
     h = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
@@ -93,6 +100,67 @@ def _expand_kernel(y_ptr, y_stride, h_ptr, h_split_stride, h_stride, b_ptr, b_sl
     out = y_ptr + tokens[:, None] * y_stride + cols[None, :]
     y = tl.load(out, mask=mask, other=0.0).to(tl.float32)
     tl.store(out, (y + acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fused_kernel(x_ptr, x_stride, y_ptr, y_stride, a_ptr, a_slot_stride, a_row_stride, b_ptr, b_slot_stride,
+                  b_row_stride, tiles_ptr, tiles_stride, order_ptr, K, P0, P1, P2, RANK_W, GROUP_N,
+                  NATIVE: tl.constexpr, IEEE: tl.constexpr, PLAIN: tl.constexpr, ALIGNED: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (column group, tile). The output columns are up to three pieces of widths P0, P1, P2
+    (P1 = P2 = 0: one piece), piece i using rank columns i*RANK_W.. of A and B; each piece is cut
+    into groups of GROUP_N columns (a multiple of BLOCK_N), numbered piece by piece."""
+    group = tl.program_id(0)
+    tokens, inside, length, slot = _tile(tiles_ptr, tiles_stride, order_ptr, tl.program_id(1), BLOCK_T)
+    c0 = tl.cdiv(P0, GROUP_N)
+    c1 = tl.cdiv(P1, GROUP_N)
+    second = group >= c0
+    third = group >= c0 + c1
+    chunk = group - tl.where(second, c0, 0) - tl.where(third, c1, 0)
+    offset = tl.where(second, P0, 0) + tl.where(third, P1, 0)
+    size = tl.where(third, P2, tl.where(second, P1, P0))
+    col_begin = offset + chunk * GROUP_N
+    col_end = offset + tl.minimum((chunk + 1) * GROUP_N, size)
+    if ALIGNED:  # piece widths and GROUP_N multiples of 8: whole 16-byte stores
+        col_begin = tl.multiple_of(col_begin, 8)
+    lanes_r = tl.arange(0, BLOCK_R)
+    ranks = (second.to(tl.int32) + third.to(tl.int32)) * RANK_W + lanes_r
+    rank_ok = lanes_r < RANK_W
+    # an empty tile (padding of a decode graph's fixed grid) runs neither loop
+    k_stop = tl.where(length > 0, K, 0)
+    n_stop = tl.where(length > 0, col_end, col_begin)
+    # h = x_tile @ A_slot.T (this piece's rank columns), over the whole K
+    a_base = a_ptr + slot * a_slot_stride
+    h = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, k_stop, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + tokens[:, None] * x_stride + cols[None, :],
+                    mask=inside[:, None] & (cols[None, :] < K), other=0.0)
+        a = tl.load(a_base + ranks[None, :] * a_row_stride + cols[:, None],  # A.T tile [BLOCK_K, BLOCK_R]
+                    mask=rank_ok[None, :] & (cols[:, None] < K), other=0.0)
+        if NATIVE:  # bf16 / fp16 operands: exact products, float32 sums
+            h += tl.dot(x, a)
+        elif IEEE:
+            h += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+        else:
+            h += tl.dot(x.to(tl.float32), a.to(tl.float32))
+    # y[:, group's columns] += h @ B_slot[columns, ranks].T, BLOCK_N columns at a time
+    b_base = b_ptr + slot * b_slot_stride
+    for n0 in range(col_begin, n_stop, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < col_end
+        b = tl.load(b_base + cols[None, :] * b_row_stride + ranks[:, None],  # B.T [BLOCK_R, BLOCK_N]
+                    mask=col_ok[None, :] & rank_ok[:, None], other=0.0).to(tl.float32)
+        if IEEE:
+            d = tl.dot(h, b, input_precision="ieee")
+        elif PLAIN:
+            d = tl.dot(h, b)
+        else:
+            d = tl.dot(h, b, input_precision="tf32")
+        mask = inside[:, None] & col_ok[None, :]
+        out = y_ptr + tokens[:, None] * y_stride + cols[None, :]
+        y = tl.load(out, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out, (y + d).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -159,6 +227,64 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, b_stack: torch.Tensor, token_s
                              b_stack.stride(1), tiles, tiles.stride(0), order, n, r, SPLIT=h.shape[0],
                              IEEE=y.dtype == torch.float32 and not interpreting(), PLAIN=interpreting(),
                              BLOCK_T=TILE_TOKENS, BLOCK_N=BLOCK_N, BLOCK_R=_rank_block(r), num_warps=4)
+    if target is not y:
+        y.copy_(target)
+    return y
+
+
+DECODE_TOKENS = 256  # up to this many tokens a batch is decode-sized (the graphs' buckets)
+# (BLOCK_N, BLOCK_K, programs per multiprocessor the column groups aim at, num_warps) of the fused kernel
+FUSED_DECODE = (64, 128, 2, 4)
+FUSED_PREFILL = (128, 128, 2, 4)
+TWO_KERNELS_FROM: int | None = None  # from this many tokens lora_fused runs shrink then expand instead
+
+
+def fused_config(num_tokens: int) -> tuple:
+    return FUSED_DECODE if num_tokens <= DECODE_TOKENS else FUSED_PREFILL
+
+
+def _pieces(n: int, r: int, piece_sizes) -> tuple[tuple[int, int, int], int]:
+    """The kernel's (P0, P1, P2) and rank columns per piece: the layer's pieces when B is block-diagonal
+    over at most three of them, else one piece of all N columns and all R ranks."""
+    if piece_sizes and 1 < len(piece_sizes) <= 3 and sum(piece_sizes) == n and r % len(piece_sizes) == 0:
+        return tuple(piece_sizes) + (0,) * (3 - len(piece_sizes)), r // len(piece_sizes)
+    return (n, 0, 0), r
+
+
+def column_groups(pieces, num_tiles: int, block_n: int, programs: int) -> tuple[int, int]:
+    """(GROUP_N, number of groups): each piece cut into groups of GROUP_N columns, so that the tiles x
+    groups come near ``programs`` (each group recomputes its tile's h: no more groups than that)."""
+    per_tile = max(1, triton.cdiv(programs, max(1, num_tiles)))
+    blocks = sum(triton.cdiv(p, block_n) for p in pieces)
+    width = max(1, blocks // per_tile) * block_n
+    return width, sum(triton.cdiv(p, width) for p in pieces)
+
+
+def lora_fused(x: torch.Tensor, y: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
+               token_slots: torch.Tensor, token_order: torch.Tensor | None = None, tiles: torch.Tensor | None = None,
+               piece_sizes: tuple[int, ...] | None = None, config: tuple | None = None
+               ) -> torch.Tensor:
+    """y [T, N] += (x [T, K] @ a_stack[slot].T) @ b_stack[slot].T per token, one launch (in place; returned).
+    ``config``: (BLOCK_N, BLOCK_K, programs per SM, num_warps), by default ``fused_config(T)``."""
+    order, tiles = _work_list(token_slots, token_order, tiles)
+    t, k = x.shape
+    if config is None and TWO_KERNELS_FROM is not None and t >= TWO_KERNELS_FROM:
+        return lora_expand(y, lora_shrink(x, a_stack, token_slots, order, tiles), b_stack, token_slots, order, tiles)
+    x, a_stack, b_stack = _rows(x), a_stack.contiguous(), b_stack.contiguous()
+    target = _rows(y)
+    n, r = target.shape[1], a_stack.shape[1]
+    num_tiles = tiles.shape[1]
+    if t and num_tiles:
+        block_n, block_k, per_sm, warps = config or fused_config(t)
+        pieces, rank_w = _pieces(n, r, piece_sizes)
+        width, groups = column_groups(pieces, num_tiles, block_n, max(1, int(per_sm * sm_count(x.device))))
+        native = x.dtype == a_stack.dtype and x.dtype in (torch.bfloat16, torch.float16) and not interpreting()
+        _fused_kernel[(groups, num_tiles)](
+            x, x.stride(0), target, target.stride(0), a_stack, a_stack.stride(0), a_stack.stride(1), b_stack,
+            b_stack.stride(0), b_stack.stride(1), tiles, tiles.stride(0), order, k, *pieces, rank_w, width,
+            NATIVE=native, IEEE=y.dtype == torch.float32 and not interpreting(), PLAIN=interpreting(),
+            ALIGNED=all(p % 8 == 0 for p in pieces) and not interpreting(), BLOCK_T=TILE_TOKENS,
+            BLOCK_R=_rank_block(rank_w), BLOCK_K=block_k, BLOCK_N=block_n, num_warps=warps)
     if target is not y:
         y.copy_(target)
     return y
