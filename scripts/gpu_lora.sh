@@ -6,6 +6,8 @@
 # last: output tok/s and the cost against the base (issue target: 16 adapters cost <= 20%).
 # "0e" (the base model with --enforce-eager) can be added to the counts for the cost of running eagerly;
 # LORA_PROFILE=16 adds --profile (decode step breakdown) to the run with that many adapters.
+# LORA_KERNEL_BENCH="--only lora" (kernel_bench's arguments) times the LoRA kernels last: shrink+expand
+# against the fused kernel at each of Qwen3-0.6B's layers, with its tile sweep unless --no-sweep is given.
 #   LORA_SHAPE=qwen3-0.6b LORA_INPUT=256 LORA_OUTPUT=128 LORA_COUNTS="0 1 4 16" bash scripts/gpu_lora.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +20,7 @@ INPUT=${LORA_INPUT:-256}
 OUTPUT=${LORA_OUTPUT:-128}
 COUNTS=${LORA_COUNTS:-"0 1 4 16"}  # 0e: the base model run eagerly
 PROFILE_COUNT=${LORA_PROFILE:-16}
+KERNEL_BENCH=${LORA_KERNEL_BENCH:-}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 T0=$(date +%s)
 say() { echo "[lora +$(( $(date +%s) - T0 ))s] $*" | tee -a "$RES/lora.log"; }
@@ -56,6 +59,13 @@ for n in counts:
     cost = "" if r is None or not base or n == "0" else f"{100 * (1 - r / base):.1f}% below base"
     print(f"{n:>8} | {'failed' if r is None else f'{r:,.0f}':>12} | {cost}")
 PYEOF
+if [ -n "$KERNEL_BENCH" ]; then
+  say "kernel_bench $KERNEL_BENCH"
+  # shellcheck disable=SC2086
+  timeout 200 $PY -m pagoda_cuda.kernel_bench $KERNEL_BENCH --json "$RES/kernel_bench.json" >"$RES/kernel_bench.txt" 2>&1 \
+    || say "kernel_bench failed or timed out"
+  grep -E "^(lora shrink|linear|error)|chosen" "$RES/kernel_bench.txt"; true
+fi
 cp "$RES"/* "$OUT"/ 2>/dev/null
 (cd "$OUT" && tar czf lora.tgz ./*.json ./*.txt ./*.log 2>/dev/null)
 say "done; results in $OUT"

@@ -334,35 +334,78 @@ def bench_decode_gemms(rows: list, tokens: int = 256) -> None:
         del w
 
 
-def bench_lora(rows: list, tokens: int, adapters: int, k: int = 1024, n: int = 4096, rank: int = 48) -> None:
-    """The LoRA update of one fused qkv layer (Qwen3-0.6B, 3 pieces of rank 16) for a decode batch whose
-    rows cycle over ``adapters`` slots, against the layer's base GEMM."""
-    from pagoda.lora.ops import token_tiles
+# Qwen3-0.6B's adapted layers with rank-16 adapters on every projection: (name, K, N, pieces)
+LORA_LAYERS = {"qkv": (1024, 4096, (2048, 1024, 1024)), "o": (2048, 1024, (1024,)),
+               "gate_up": (1024, 6144, (3072, 3072)), "down": (3072, 1024, (1024,))}
+LORA_FUSED_SWEEP = {  # (BLOCK_N, BLOCK_K, programs per SM, num_warps) tried besides the chosen one
+    "decode": [(bn, bk, p, 4) for bn in (32, 64, 128) for bk in (128, 256) for p in (0.5, 1, 2, 4)]
+    + [(64, 64, 2, 4), (64, 128, 2, 8)],
+    "prefill": [(bn, bk, p, 4) for bn in (64, 128, 256) for bk in (64, 128) for p in (1, 2, 4)] + [(128, 128, 2, 8)],
+}
 
-    from pagoda_cuda.ops.lora import lora_expand, lora_shrink
 
+def bench_lora(rows: list, tokens: int, adapters: int, layer: str = "qkv", sweep: bool = False,
+               rank: int = 16) -> None:
+    """The LoRA update of one of Qwen3-0.6B's layers (``LORA_LAYERS``; a fused layer has a rank-16 block
+    per piece, B block-diagonal as pagoda.lora.layers writes it) for a batch whose rows cycle over
+    ``adapters`` slots, the tiles padded as the decode graphs pad them: shrink then expand (two
+    launches) and the fused kernel (one), against the layer's base GEMM. Decode-sized batches are
+    timed replayed from a CUDA graph (as decode steps run), larger ones (prefill, eager) with plain
+    launches; ``sweep`` tries the fused kernel's other tiles."""
+    from pagoda.lora.ops import max_tiles, token_tiles
+
+    from pagoda_cuda.ops.lora import DECODE_TOKENS, fused_config, lora_expand, lora_fused, lora_shrink
+
+    k, n, pieces = LORA_LAYERS[layer]
+    r = rank * len(pieces)
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    a = torch.randn(adapters, rank, k, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(adapters, n, rank, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(adapters, r, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    b = torch.zeros(adapters, n, r, device="cuda", dtype=torch.bfloat16)
+    offset = 0
+    for i, size in enumerate(pieces):
+        b[:, offset:offset + size, i * rank:(i + 1) * rank] = torch.randn(adapters, size, rank, device="cuda")
+        offset += size
     slots = torch.arange(tokens) % adapters
     order = torch.argsort(slots, stable=True)
-    tiles = torch.from_numpy(token_tiles(slots[order].numpy())).cuda()
+    tiles = torch.from_numpy(token_tiles(slots[order].numpy(), pad_to=max_tiles(tokens, adapters))).cuda()
     slots, order = slots.cuda(), order.cuda()
     y = torch.nn.functional.linear(x, w)
-    shape = f"T={tokens} K={k} N={n} R={rank} adapters={adapters}"
-    _timed(rows, "lora shrink+expand", shape, f"{tiles.shape[1]} tiles",
-           lambda: lora_expand(y, lora_shrink(x, a, slots, order, tiles), b, slots, order, tiles),
-           nbytes=(a.numel() + b.numel() + x.numel() + 2 * y.numel()) * 2)
-    try:  # replayed from a CUDA graph, as in decode steps: no Python launch cost
-        t = triton.testing.do_bench_cudagraph(
-            lambda: lora_expand(y, lora_shrink(x, a, slots, order, tiles), b, slots, order, tiles)) / 1e3
-        rows.append({"kernel": "lora shrink+expand", "shape": shape, "config": "CUDA graph", "seconds": t})
-    except Exception as exc:
-        rows.append({"kernel": "lora shrink+expand", "shape": shape, "config": "CUDA graph",
-                     "error": str(exc).splitlines()[0][:120]})
+    decode = tokens <= DECODE_TOKENS
+    shape = f"{layer} T={tokens} K={k} N={n} R={r} adapters={adapters}"
+    nbytes = (a.numel() + b.numel() + x.numel() + 2 * y.numel()) * 2
+    how = "CUDA graph" if decode else "eager"
+
+    def timed(kernel, config, fn):
+        if not decode:
+            return _timed(rows, kernel, shape, config, fn, nbytes=nbytes)
+        try:  # replayed from a CUDA graph, as in decode steps: no Python launch cost
+            t = triton.testing.do_bench_cudagraph(fn) / 1e3
+        except Exception as exc:
+            rows.append({"kernel": kernel, "shape": shape, "config": config, "error": str(exc).splitlines()[0][:120]})
+            return None
+        rows.append({"kernel": kernel, "shape": shape, "config": config, "seconds": t, "GB/s": nbytes / t / 1e9})
+        return t
+
+    two = lambda: lora_expand(y, lora_shrink(x, a, slots, order, tiles), b, slots, order, tiles)  # noqa: E731
+    timed("lora shrink+expand", f"{how}, {tiles.shape[1]} tiles", two)
+    chosen = fused_config(tokens)
+    timed("lora fused", f"{how}, chosen {chosen}", lambda: lora_fused(x, y, a, b, slots, order, tiles, pieces))
+    if sweep:
+        for cfg in LORA_FUSED_SWEEP["decode" if decode else "prefill"]:
+            if cfg != chosen:
+                timed("lora fused", f"{how} {cfg}",
+                      lambda cfg=cfg: lora_fused(x, y, a, b, slots, order, tiles, pieces, config=cfg))
     _timed(rows, "linear (cuBLAS)", shape, "the base GEMM", lambda: torch.nn.functional.linear(x, w),
            nbytes=(w.numel() + x.numel() + y.numel()) * 2)
+
+
+def lora_cases(sweep: bool) -> list[tuple[int, int, str, bool]]:
+    """(tokens, adapters, layer, sweep): every layer at decode sizes with 1 and 16 adapters and at a
+    prefill size; qkv also at T=256."""
+    cases = [(64, 1, "qkv"), (64, 16, "qkv"), (256, 16, "qkv"), (4096, 4, "qkv")]
+    cases += [(t, s, layer) for layer in ("o", "gate_up", "down") for t, s in ((64, 1), (64, 16), (4096, 4))]
+    return [(t, s, layer, sweep) for t, s, layer in cases]
 
 
 def main(argv=None) -> int:
@@ -403,7 +446,7 @@ def main(argv=None) -> int:
         ("moe:deepseek-v3-4l-prefill", lambda: bench_moe(rows, 8192, 7168, 2048, 256, 8, (1, 4, 16))),
         ("small", lambda: bench_small_ops(rows, 256)),
         ("gemm", lambda: bench_decode_gemms(rows)),
-        ("lora", lambda: [bench_lora(rows, t, s) for t, s in ((64, 1), (64, 16), (256, 16), (4096, 4))]),
+        ("lora", lambda: [bench_lora(rows, t, s, layer, sw) for t, s, layer, sw in lora_cases(sweep)]),
     ]
     wanted = tuple(args.only.split(",")) if args.only else ("",)
     steps += [step for name, step in sections if name.startswith(wanted)]
