@@ -93,7 +93,8 @@ def _pieces_case(device, dtype, t, k, sizes, r, s, seed=0, config=None, segments
     assert torch.equal(got[slots < 0], y[slots < 0])
 
 
-@pytest.mark.parametrize("config", [None, (32, 64, 64, 4)])  # one column group per piece / many per piece
+# the default; many narrow column groups per piece; one group of several column blocks per piece
+@pytest.mark.parametrize("config", [None, (32, 64, 64, 4), (32, 32, 0.01, 4)])
 @pytest.mark.parametrize("t, k, sizes, r, s, segments", [(37, 130, (24, 8, 12), 6, 4, 0),  # q/k/v, odd widths
                                                          (20, 64, (48, 48), 16, 2, 7),  # gate/up, runs
                                                          (9, 40, (40,), 5, 3, 0)])  # one piece

@@ -126,18 +126,28 @@ def _fused_kernel(x_ptr, x_stride, y_ptr, y_stride, a_ptr, a_slot_stride, a_row_
     lanes_r = tl.arange(0, BLOCK_R)
     ranks = (second.to(tl.int32) + third.to(tl.int32)) * RANK_W + lanes_r
     rank_ok = lanes_r < RANK_W
-    # an empty tile (padding of a decode graph's fixed grid) runs neither loop
-    k_stop = tl.where(length > 0, K, 0)
-    n_stop = tl.where(length > 0, col_end, col_begin)
+    # an empty tile (padding of a decode graph's fixed grid) runs neither loop and loads nothing
+    live = length > 0
+    k_stop = tl.where(live, K, 0)
+    n_stop = tl.where(live, col_end, col_begin)
+    b_base = b_ptr + slot * b_slot_stride
+    # the first BLOCK_N columns' B and y are loaded before the shrink, so that their latency overlaps it
+    # (at decode sizes a group is often one block of columns)
+    cols = col_begin + tl.arange(0, BLOCK_N)
+    col_ok = (cols < col_end) & live
+    b_first = tl.load(b_base + cols[None, :] * b_row_stride + ranks[:, None],  # B.T [BLOCK_R, BLOCK_N]
+                      mask=col_ok[None, :] & rank_ok[:, None], other=0.0)
+    mask_first = inside[:, None] & col_ok[None, :]
+    y_first = tl.load(y_ptr + tokens[:, None] * y_stride + cols[None, :], mask=mask_first, other=0.0)
     # h = x_tile @ A_slot.T (this piece's rank columns), over the whole K
     a_base = a_ptr + slot * a_slot_stride
     h = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, k_stop, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + tokens[:, None] * x_stride + cols[None, :],
-                    mask=inside[:, None] & (cols[None, :] < K), other=0.0)
-        a = tl.load(a_base + ranks[None, :] * a_row_stride + cols[:, None],  # A.T tile [BLOCK_K, BLOCK_R]
-                    mask=rank_ok[None, :] & (cols[:, None] < K), other=0.0)
+        kk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + tokens[:, None] * x_stride + kk[None, :],
+                    mask=inside[:, None] & (kk[None, :] < K), other=0.0)
+        a = tl.load(a_base + ranks[None, :] * a_row_stride + kk[:, None],  # A.T tile [BLOCK_K, BLOCK_R]
+                    mask=rank_ok[None, :] & (kk[:, None] < K), other=0.0)
         if NATIVE:  # bf16 / fp16 operands: exact products, float32 sums
             h += tl.dot(x, a)
         elif IEEE:
@@ -145,22 +155,31 @@ def _fused_kernel(x_ptr, x_stride, y_ptr, y_stride, a_ptr, a_slot_stride, a_row_
         else:
             h += tl.dot(x.to(tl.float32), a.to(tl.float32))
     # y[:, group's columns] += h @ B_slot[columns, ranks].T, BLOCK_N columns at a time
-    b_base = b_ptr + slot * b_slot_stride
-    for n0 in range(col_begin, n_stop, BLOCK_N):
+    d = _expand_dot(h, b_first.to(tl.float32), IEEE, PLAIN)
+    tl.store(y_ptr + tokens[:, None] * y_stride + cols[None, :],
+             (y_first.to(tl.float32) + d).to(y_ptr.dtype.element_ty), mask=mask_first)
+    for n0 in range(col_begin + BLOCK_N, n_stop, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < col_end
-        b = tl.load(b_base + cols[None, :] * b_row_stride + ranks[:, None],  # B.T [BLOCK_R, BLOCK_N]
+        b = tl.load(b_base + cols[None, :] * b_row_stride + ranks[:, None],
                     mask=col_ok[None, :] & rank_ok[:, None], other=0.0).to(tl.float32)
-        if IEEE:
-            d = tl.dot(h, b, input_precision="ieee")
-        elif PLAIN:
-            d = tl.dot(h, b)
-        else:
-            d = tl.dot(h, b, input_precision="tf32")
+        d = _expand_dot(h, b, IEEE, PLAIN)
         mask = inside[:, None] & col_ok[None, :]
         out = y_ptr + tokens[:, None] * y_stride + cols[None, :]
         y = tl.load(out, mask=mask, other=0.0).to(tl.float32)
         tl.store(out, (y + d).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _expand_dot(h, b, IEEE: tl.constexpr, PLAIN: tl.constexpr):
+    """h [BLOCK_T, BLOCK_R] float32 @ b [BLOCK_R, BLOCK_N] float32: TF32 on a GPU (IEEE for float32
+    models), plain float32 in the interpreter."""
+    if IEEE:
+        return tl.dot(h, b, input_precision="ieee")
+    elif PLAIN:
+        return tl.dot(h, b)
+    else:
+        return tl.dot(h, b, input_precision="tf32")
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -234,7 +253,7 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, b_stack: torch.Tensor, token_s
 
 DECODE_TOKENS = 256  # up to this many tokens a batch is decode-sized (the graphs' buckets)
 # (BLOCK_N, BLOCK_K, programs per multiprocessor the column groups aim at, num_warps) of the fused kernel
-FUSED_DECODE = (64, 128, 2, 4)
+FUSED_DECODE = (128, 128, 1, 4)
 FUSED_PREFILL = (128, 128, 2, 4)
 TWO_KERNELS_FROM: int | None = None  # from this many tokens lora_fused runs shrink then expand instead
 
