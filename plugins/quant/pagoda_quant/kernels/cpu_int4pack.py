@@ -42,7 +42,8 @@ class PackedPlane:
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
         self.scales_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
         # codes kept for widening only where the packed layout cannot be read back (see unpack_layout)
-        self.codes = None if unpack_layout() is not None and n % 32 == 0 else _pack_nibbles(codes)
+        layout = unpack_layout()
+        self.codes = None if layout is not None and n % layout.block == 0 else _pack_nibbles(codes)
 
     @classmethod
     def empty_like(cls, part: PackedPlane, rows: int) -> PackedPlane:
@@ -97,35 +98,42 @@ def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
 
 
-def _unpack_blocks_of_32(packed: torch.Tensor, n: int, ids: torch.Tensor | None = None) -> torch.Tensor:
-    """The AVX2 layout: uint8 [N/32, K, 16], byte j of (block, k) = code[32 b + j, k] | code[32 b + 16 + j, k] << 4.
+def _unpack_blocks(packed: torch.Tensor, n: int, ids: torch.Tensor | None = None, block: int = 32) -> torch.Tensor:
+    """torch's packed layout on x86: uint8 [N/B, K, B/2] for blocks of B rows (32 with AVX2, 64 with
+    AVX-512), byte j of (block b, k) = code[B b + j, k] | code[B b + B/2 + j, k] << 4.
     -> codes uint8 [N, K] (or [len(ids), K])."""
-    blocks = packed.view(n // 32, -1, 16)
+    half = block // 2
+    blocks = packed.view(n // block, -1, half)
     if ids is None:
-        both = torch.stack((blocks & 0x0F, blocks >> 4), dim=1)  # [N/32, 2, K, 16]
+        both = torch.stack((blocks & 0x0F, blocks >> 4), dim=1)  # [N/B, 2, K, B/2]
         return both.permute(0, 1, 3, 2).reshape(n, -1)
-    rows = blocks.index_select(0, ids // 32)  # [T, K, 16]
-    j = (ids % 32)[:, None, None]
-    byte = torch.gather(rows, 2, (j % 16).expand(-1, rows.shape[1], 1)).squeeze(-1)  # [T, K]
-    return torch.where(j[:, :, 0] < 16, byte & 0x0F, byte >> 4)
+    rows = blocks.index_select(0, ids // block)  # [T, K, B/2]
+    j = (ids % block)[:, None, None]
+    byte = torch.gather(rows, 2, (j % half).expand(-1, rows.shape[1], 1)).squeeze(-1)  # [T, K]
+    return torch.where(j[:, :, 0] < half, byte & 0x0F, byte >> 4)
 
 
 @functools.lru_cache(maxsize=1)
 def unpack_layout():
-    """A reader of the packed layout when it is the one this module knows (torch's AVX2 layout,
-    checked here on a probe matrix), else None: then planes keep their codes a second time."""
+    """A reader of the packed layout when it is one this module knows (torch's AVX2 or AVX-512 layout,
+    checked here on a probe matrix), else None: then planes keep their codes a second time. The reader has
+    ``block``: the rows a packed block holds (a plane of other row counts keeps its codes too)."""
     if not kernel_available():
         return None
-    probe = torch.arange(64 * 64, dtype=torch.int32).view(64, 64) % 16
-    probe = (probe + torch.arange(64, dtype=torch.int32)[:, None]) % 16
+    probe = torch.arange(128 * 64, dtype=torch.int32).view(128, 64) % 16
+    probe = (probe + 3 * torch.arange(128, dtype=torch.int32)[:, None]) % 16
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1)
-    try:
-        ok = packed.numel() == 64 * 32 and torch.equal(_unpack_blocks_of_32(packed, 64).int(), probe)
-        ids = torch.tensor([0, 17, 33, 63])
-        ok = ok and torch.equal(_unpack_blocks_of_32(packed, 64, ids).int(), probe[ids])
-    except RuntimeError:
-        ok = False
-    return _unpack_blocks_of_32 if ok else None
+    ids = torch.tensor([0, 17, 33, 63, 64, 100, 127])
+    for block in (32, 64):
+        try:
+            if (packed.numel() == 128 * 32 and torch.equal(_unpack_blocks(packed, 128, block=block).int(), probe)
+                    and torch.equal(_unpack_blocks(packed, 128, ids, block).int(), probe[ids])):
+                reader = functools.partial(_unpack_blocks, block=block)
+                reader.block = block
+                return reader
+        except RuntimeError:
+            pass
+    return None
 
 
 def planes_linear(x: torch.Tensor, planes: list[PackedPlane], bias: torch.Tensor | None = None) -> torch.Tensor:
