@@ -272,6 +272,11 @@ class QuantMethod:
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
+    # Optional: ``native_parts(layer) -> list[pagoda.kernels.cpu_decoder.NativeLinearPart] | None``: C
+    # functions that compute the layer's output columns (float32 rows in and out, on the CPU), which the
+    # fused CPU decode calls instead of ``apply``; None where this layer's weights have none.
+    native_parts: Any = None
+
 
 class QuantConfig:
     """A parsed quantization setting; hands every layer its method (None: full precision)."""

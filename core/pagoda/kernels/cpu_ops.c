@@ -234,3 +234,115 @@ void pagoda_silu_and_mul(const float *x, int64_t t, int64_t n, int64_t sx, float
         for (; i < n; i++) o[i] = a[i] / (1.0f + expf(-a[i])) * g[i];
     }
 }
+
+/* ---------------------------------------------------------------------------------------------------------
+ * Every decoder layer of a Llama-shaped model for one decode step, in one call (cpu_decoder.py says when it
+ * applies). The layers' linear maps are C functions of the quantization method that holds the weights
+ * (e.g. pagoda-quant's GGUF int8 dot products), given as function pointers, so that this file knows no
+ * weight format. Per layer, on x [nb, hidden], the residual stream:
+ *   h = rms_norm(x, ln1); qkv = h W_qkv (+ b); per-head rms_norm of q and k (q_norm, k_norm: Qwen3);
+ *   rotary on q and k; k, v into the cache at slots[b]; a = attention(q, cache); x += a W_o (+ b);
+ *   h = rms_norm(x, ln2); g = h W_gate_up; x += (silu(g[:, :inter]) * g[:, inter:]) W_down.
+ * The same C functions as the per-op path (pagoda_rms_norm, pagoda_decode_attention, ...), in the same
+ * order: the results equal that path's up to the q/k norms (the torch reference there). */
+typedef int (*pagoda_linear_fn)(const void *weight, const float *x, int64_t m, float *out, int64_t ldo,
+                                int threads);
+
+struct pagoda_linear_part { /* output columns [offset, offset + rows) of a linear map, one C call */
+    pagoda_linear_fn fn;
+    const void *weight;
+    int64_t rows;
+};
+
+struct pagoda_decoder_layer {
+    const float *ln1, *ln2, *q_norm, *k_norm, *qkv_bias, *o_bias; /* norms and biases: NULL where absent */
+    const struct pagoda_linear_part *qkv, *o, *gate_up, *down;
+    int64_t n_qkv, n_o, n_gate_up, n_down; /* parts of each */
+    float *k_cache, *v_cache;              /* [slots, nk * hd] each */
+    int64_t window;                        /* sliding window, 0: none */
+};
+
+struct pagoda_decoder_dims {
+    int64_t hidden, nq, nk, hd, inter, rot, npos, slots;
+    float eps, scale;
+    int64_t neox;
+    const float *cos_sin; /* [npos, rot] */
+};
+
+static int linear_apply(const struct pagoda_linear_part *parts, int64_t n, const float *x, int64_t m, float *out,
+                        int64_t ldo, const float *bias, int threads) {
+    int64_t offset = 0;
+    for (int64_t p = 0; p < n; p++) {
+        if (parts[p].fn(parts[p].weight, x, m, out + offset, ldo, threads)) return -1;
+        offset += parts[p].rows;
+    }
+    if (bias)
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t i = 0; i < ldo; i++) out[r * ldo + i] += bias[i];
+    return 0;
+}
+
+/* Rotary of `heads` heads of row x in place (the cos/sin row cs: cos in its first half, sin in the second). */
+static void rotate_heads(float *x, int64_t heads, int64_t hs, const float *cs, int64_t rot, int neox) {
+    const int64_t half = rot / 2;
+    const float *cosv = cs, *sinv = cs + half;
+    for (int64_t h = 0; h < heads; h++) {
+        float *xh = x + h * hs;
+        for (int64_t i = 0; i < half; i++) {
+            const int64_t a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+            const float x1 = xh[a], x2 = xh[b];
+            xh[a] = x1 * cosv[i] - x2 * sinv[i];
+            xh[b] = x2 * cosv[i] + x1 * sinv[i];
+        }
+    }
+}
+
+/* x [nb, hidden] in and out; positions, slots [nb]; tables [nb, ts], lens [nb] as pagoda_decode_attention's.
+ * Returns 0; -1 when memory could not be had or a linear map failed; -2 - r when row r's position is outside
+ * the cos/sin table or its slot past the cache (nothing written then). */
+int64_t pagoda_decoder_decode(const struct pagoda_decoder_dims *d, const struct pagoda_decoder_layer *layers,
+                              int64_t nlayers, float *x, int64_t nb, const int64_t *positions, const int64_t *slots,
+                              int64_t bs, const int64_t *tables, int64_t ts, const int64_t *lens, int threads) {
+    for (int64_t r = 0; r < nb; r++)
+        if (positions[r] < 0 || positions[r] >= d->npos || slots[r] >= d->slots) return -2 - r;
+    const int64_t hid = d->hidden, hd = d->hd, qw = d->nq * hd, kw = d->nk * hd, wqkv = qw + 2 * kw;
+    float *h = (float *)malloc(sizeof(float) * (size_t)(nb * hid));
+    float *qkv = (float *)malloc(sizeof(float) * (size_t)(nb * wqkv));
+    float *attn = (float *)malloc(sizeof(float) * (size_t)(nb * qw));
+    float *gu = (float *)malloc(sizeof(float) * (size_t)(nb * 2 * d->inter));
+    float *act = (float *)malloc(sizeof(float) * (size_t)(nb * d->inter));
+    float *y = (float *)malloc(sizeof(float) * (size_t)(nb * hid));
+    int rc = (h && qkv && attn && gu && act && y) ? 0 : -1;
+    for (int64_t l = 0; l < nlayers && !rc; l++) {
+        const struct pagoda_decoder_layer *L = layers + l;
+        pagoda_rms_norm(x, nb, hid, hid, L->ln1, d->eps, h);
+        if ((rc = linear_apply(L->qkv, L->n_qkv, h, nb, qkv, wqkv, L->qkv_bias, threads))) break;
+        for (int64_t r = 0; r < nb; r++) {
+            float *q = qkv + r * wqkv, *k = q + qw;
+            if (L->q_norm) {
+                pagoda_rms_norm(q, d->nq, hd, hd, L->q_norm, d->eps, q);
+                pagoda_rms_norm(k, d->nk, hd, hd, L->k_norm, d->eps, k);
+            }
+            const float *cs = d->cos_sin + positions[r] * d->rot;
+            rotate_heads(q, d->nq, hd, cs, d->rot, (int)d->neox);
+            rotate_heads(k, d->nk, hd, cs, d->rot, (int)d->neox);
+        }
+        pagoda_store_kv(qkv + qw, qkv + qw + kw, nb, kw, wqkv, wqkv, slots, L->k_cache, L->v_cache, d->slots);
+        if ((rc = pagoda_decode_attention(qkv, nb, d->nq, hd, wqkv, L->k_cache, L->v_cache, d->nk, bs, tables, ts,
+                                          lens, L->window, d->scale, attn, threads)))
+            break;
+        if ((rc = linear_apply(L->o, L->n_o, attn, nb, y, hid, L->o_bias, threads))) break;
+        pagoda_add_rms_norm(y, x, nb, hid, L->ln2, d->eps, h, x);
+        if ((rc = linear_apply(L->gate_up, L->n_gate_up, h, nb, gu, 2 * d->inter, NULL, threads))) break;
+        pagoda_silu_and_mul(gu, nb, d->inter, 2 * d->inter, act);
+        if ((rc = linear_apply(L->down, L->n_down, act, nb, y, hid, NULL, threads))) break;
+        for (int64_t i = 0; i < nb * hid; i++) x[i] += y[i];
+    }
+    free(h);
+    free(qkv);
+    free(attn);
+    free(gu);
+    free(act);
+    free(y);
+    return rc ? -1 : 0;
+}

@@ -14,6 +14,7 @@ from pagoda.distributed.pipeline_parallel import (
     stage_forward,
     stage_layers,
 )
+from pagoda.kernels.cpu_decoder import DecoderLayerParts, FusedDecode
 from pagoda.layers import (
     Attention,
     GatedActivation,
@@ -111,6 +112,16 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
+    def fused_decode_parts(self) -> DecoderLayerParts | None:
+        """This layer's pieces for the CPU's fused decode (None: a variant whose forward differs)."""
+        attn = self.self_attn
+        if (type(self).forward is not LlamaDecoderLayer.forward or type(attn) is not LlamaAttention
+                or type(self.mlp) is not LlamaMLP):
+            return None
+        return DecoderLayerParts(self.input_layernorm, self.post_attention_layernorm, attn.qkv_proj, attn.o_proj,
+                                 self.mlp.gate_up_proj, self.mlp.down_proj, attn.rotary_emb, attn.attn,
+                                 self.mlp.act_fn, attn.q_norm, attn.k_norm)
+
 
 class LlamaModel(nn.Module):
     supports_pipeline_parallel = True  # pagoda.distributed.pipeline_parallel.stage_forward runs it
@@ -131,11 +142,18 @@ class LlamaModel(nn.Module):
         # opt-in (speculative method eagle3): the residual stream entering these layers, recorded each forward
         self.aux_hidden_state_layers: tuple[int, ...] = ()
         self.aux_hidden_states: dict[int, torch.Tensor] = {}
+        # decode steps on the CPU: every layer in one C call where the layers allow (pagoda.kernels.cpu_decoder)
+        self.fused_decode = FusedDecode(lambda: [getattr(layer, "fused_decode_parts", lambda: None)()
+                                                 for layer in self.layers])
 
     def forward(self, input_ids, positions):
         if self.pipeline_stage is not None:
             return stage_forward(self, self.pipeline_stage, input_ids, positions)
         hidden, residual = self.embed_tokens(input_ids), None
+        if not self.aux_hidden_state_layers:
+            stream = self.fused_decode(hidden, positions)
+            if stream is not None:
+                return self.norm(stream)
         for i, layer in enumerate(self.layers):
             if i in self.aux_hidden_state_layers:  # (speculative method eagle3)
                 self.aux_hidden_states[i] = hidden if residual is None else hidden + residual

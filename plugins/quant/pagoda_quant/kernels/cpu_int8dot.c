@@ -181,11 +181,9 @@ static inline __attribute__((always_inline)) void dot_tile(int rows, int layout,
 #define ROW_TILE 4   /* activation rows sharing one pass over a weight row */
 #define COL_TILE 16  /* weight rows per task: they stay in cache while every row tile passes */
 
-/* x [M, K] float32 -> out [M, N] float32; layout 0: q4 (codes uint8 [N, K/2]), 1: i8 (int8 [N, K]);
- * S, O [N, K / group] float16 when f16 is set, else float32; O may be NULL (no offsets).
- * Returns 0, or -1 when the scratch memory could not be allocated. */
-int pagoda_int8dot_linear(const float *x, int64_t m, int64_t k, int64_t n, int layout, int group,
-                          const void *codes, const void *S, const void *O, int f16, float *out, int threads) {
+/* pagoda_int8dot_linear with out's rows ldo floats apart (a part of a wider output). */
+static int int8dot_linear(const float *x, int64_t m, int64_t k, int64_t n, int layout, int group, const void *codes,
+                          const void *S, const void *O, int f16, float *out, int64_t ldo, int threads) {
     const int64_t esize = f16 ? 2 : 4;
     const int64_t groups = k / 32;
     int8_t *q = (int8_t *)malloc((size_t)(m * k));
@@ -214,17 +212,17 @@ int pagoda_int8dot_linear(const float *x, int64_t m, int64_t k, int64_t n, int l
             const int8_t *qr = q + r0 * k;
             const float *sr = s + r0 * groups, *hr = hs + r0 * 2 * groups, *br = bs + r0 * groups;
             for (int64_t j = t * COL_TILE; j < j1; j++) {
-                float *o = out + r0 * n + j;
+                float *o = out + r0 * ldo + j;
                 const uint8_t *c = (const uint8_t *)codes + j * row_bytes;
                 const char *Sj = (const char *)S + j * sgroups * esize;
                 const char *Oj = O ? (const char *)O + j * sgroups * esize : NULL;
                 /* each call a constant layout and group: its own instantiation of dot_rows */
                 if (layout == Q4)
-                    dot_tile((int)rows, Q4, 32, qr, sr, br, hr, k, c, Sj, Oj, f16, o, n);
+                    dot_tile((int)rows, Q4, 32, qr, sr, br, hr, k, c, Sj, Oj, f16, o, ldo);
                 else if (group == 32)
-                    dot_tile((int)rows, I8, 32, qr, sr, br, hr, k, c, Sj, Oj, f16, o, n);
+                    dot_tile((int)rows, I8, 32, qr, sr, br, hr, k, c, Sj, Oj, f16, o, ldo);
                 else
-                    dot_tile((int)rows, I8, 16, qr, sr, br, hr, k, c, Sj, Oj, f16, o, n);
+                    dot_tile((int)rows, I8, 16, qr, sr, br, hr, k, c, Sj, Oj, f16, o, ldo);
             }
         }
     }
@@ -233,6 +231,27 @@ int pagoda_int8dot_linear(const float *x, int64_t m, int64_t k, int64_t n, int l
     free(hs);
     free(bs);
     return 0;
+}
+
+/* x [M, K] float32 -> out [M, N] float32; layout 0: q4 (codes uint8 [N, K/2]), 1: i8 (int8 [N, K]);
+ * S, O [N, K / group] float16 when f16 is set, else float32; O may be NULL (no offsets).
+ * Returns 0, or -1 when the scratch memory could not be allocated. */
+int pagoda_int8dot_linear(const float *x, int64_t m, int64_t k, int64_t n, int layout, int group,
+                          const void *codes, const void *S, const void *O, int f16, float *out, int threads) {
+    return int8dot_linear(x, m, k, n, layout, group, codes, S, O, f16, out, n, threads);
+}
+
+/* One weight, as DotWeight.native() describes it for the core's fused decode (cpu_ops.c's pagoda_linear_fn):
+ * out rows [M, N] of row stride ldo. */
+struct pagoda_dot_weight {
+    const void *codes, *S, *O;
+    int64_t k, n, layout, group, f16;
+};
+
+int pagoda_int8dot_apply(const void *weight, const float *x, int64_t m, float *out, int64_t ldo, int threads) {
+    const struct pagoda_dot_weight *w = (const struct pagoda_dot_weight *)weight;
+    return int8dot_linear(x, m, w->k, w->n, (int)w->layout, (int)w->group, w->codes, w->S, w->O, (int)w->f16, out,
+                          ldo, threads);
 }
 
 /* w[N, K] float32 = S * c + O, as torch computes it (a product, then a sum: not contracted into one fused
@@ -281,6 +300,10 @@ void pagoda_int8dot_widen(int64_t k, int64_t n, int layout, int group, const voi
 int pagoda_int8dot_linear(const float *x, int64_t m, int64_t k, int64_t n, int layout, int group,
                           const void *codes, const void *S, const void *O, int f16, float *out, int threads) {
     return -2; /* built without AVX2/FMA: the caller uses torch's kernels */
+}
+
+int pagoda_int8dot_apply(const void *weight, const float *x, int64_t m, float *out, int64_t ldo, int threads) {
+    return -2;
 }
 
 #endif

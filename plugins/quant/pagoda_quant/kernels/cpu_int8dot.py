@@ -46,7 +46,15 @@ def _library():
     widen.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                       ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     fn.widen = widen
+    fn.apply_address = ctypes.cast(lib.pagoda_int8dot_apply, ctypes.c_void_p).value
     return fn
+
+
+class _Described(ctypes.Structure):
+    """cpu_int8dot.c's ``struct pagoda_dot_weight``."""
+
+    _fields_ = [("codes", ctypes.c_void_p), ("S", ctypes.c_void_p), ("O", ctypes.c_void_p)] + \
+               [(name, ctypes.c_int64) for name in ("k", "n", "layout", "group", "f16")]
 
 
 def available() -> bool:
@@ -65,7 +73,7 @@ class DotWeight:
     step and is bound by memory bandwidth, so these bytes count: Q4_1 then takes the file's 20 bytes per
     32 weights, Q8_0 its 34."""
 
-    __slots__ = ("layout", "group", "codes", "scale", "offset", "n", "k", "f16")
+    __slots__ = ("layout", "group", "codes", "scale", "offset", "n", "k", "f16", "_described")
 
     def __init__(self, layout: int, group: int, codes: torch.Tensor, scale: torch.Tensor,
                  offset: torch.Tensor | None):
@@ -77,6 +85,7 @@ class DotWeight:
             raise ValueError("DotWeight: scale and offset must share a dtype")
         self.n = codes.shape[0]
         self.k = codes.shape[1] * (2 if layout == Q4 else 1)
+        self._described = None
 
     @classmethod
     def from_codes(cls, c, compact: bool = True) -> DotWeight:
@@ -115,6 +124,19 @@ class DotWeight:
         if rc:
             raise MemoryError(f"int8 dot-product kernel: no scratch memory for {m} rows of {self.k}")
         return out
+
+    def native(self):
+        """(address of ``pagoda_int8dot_apply``, address of this weight's C description, the description) for
+        a C caller (the core's fused CPU decode: ``pagoda.kernels.cpu_decoder.NativeLinearPart``), or None
+        where the kernel is not built."""
+        lib = _library()
+        if lib is None:
+            return None
+        if self._described is None:
+            self._described = _Described(self.codes.data_ptr(), self.scale.data_ptr(),
+                                         0 if self.offset is None else self.offset.data_ptr(), self.k, self.n,
+                                         self.layout, self.group, int(self.f16))
+        return lib.apply_address, ctypes.addressof(self._described), self._described
 
     def widen(self) -> torch.Tensor:
         """The weight, float32 [N, K] (in C where the kernel is built: a prefill widens every weight per call)."""

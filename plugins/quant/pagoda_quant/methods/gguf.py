@@ -230,6 +230,19 @@ def _store_piece(layer, loaded: torch.Tensor, shard_id) -> None:
     layer.gguf_pieces[index] = (loaded, kind)
 
 
+def _native_parts(segments: list[_Segment]):
+    from pagoda.kernels.cpu_decoder import NativeLinearPart
+
+    parts = []
+    for seg in segments:
+        found = seg.dot.native() if seg.dot is not None else None
+        if found is None:
+            return None
+        fn, weight, keep = found
+        parts.append(NativeLinearPart(fn, weight, seg.rows, (seg.dot, keep)))
+    return parts
+
+
 class GgufCpuLinear(QuantizedLinearMethod):
     """A linear layer of a GGUF file on the CPU: its pieces arrive as block rows (``ggml_type`` set by
     the loader) or float tensors; after loading they become segments of packed planes."""
@@ -267,6 +280,11 @@ class GgufCpuLinear(QuantizedLinearMethod):
 
     def dequantize(self, layer):
         return torch.cat([s.widen() for s in layer.gguf_segments])
+
+    def native_parts(self, layer):
+        """The C functions of the layer's output columns (``QuantMethod.native_parts``): one per segment,
+        where every segment is held for the int8 dot-product kernel; else None."""
+        return _native_parts(layer.gguf_segments)
 
     def weight_bytes(self, layer):
         return sum(s.nbytes() for s in layer.gguf_segments)
