@@ -252,10 +252,13 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, b_stack: torch.Tensor, token_s
 
 
 DECODE_TOKENS = 256  # up to this many tokens a batch is decode-sized (the graphs' buckets)
-# (BLOCK_N, BLOCK_K, programs per multiprocessor the column groups aim at, num_warps) of the fused kernel
+# (BLOCK_N, BLOCK_K, programs per multiprocessor the column groups aim at, num_warps) of the fused kernel,
+# the fastest over Qwen3-0.6B's layers in kernel_bench's sweep on an H200 (docs/benchmarks.md)
 FUSED_DECODE = (128, 128, 1, 4)
 FUSED_PREFILL = (128, 128, 2, 4)
-TWO_KERNELS_FROM: int | None = None  # from this many tokens lora_fused runs shrink then expand instead
+# from this many tokens lora_fused runs shrink then expand instead; unset: the fused kernel was faster at
+# every prefill shape measured (4,096 tokens)
+TWO_KERNELS_FROM: int | None = None
 
 
 def fused_config(num_tokens: int) -> tuple:
