@@ -28,8 +28,9 @@ from pagoda.lora.ops import two_kernel_update
 
 
 def lora_update_op():
-    """The platform's ``lora_fused`` (the core's reference where no plugin has its own); where no
-    provider registers it, the platform's ``lora_shrink`` then ``lora_expand``."""
+    """The platform's ``lora_fused`` where a plugin registers one; else the platform's ``lora_shrink`` then
+    ``lora_expand``. (The core's ``pagoda.lora.ops.lora_fused`` reference is not registered for every platform:
+    it would outrank a platform's own shrink and expand kernels.)"""
     try:
         return kernels.get_op("lora_fused")
     except PluginError:
