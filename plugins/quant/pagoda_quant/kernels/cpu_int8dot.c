@@ -73,6 +73,21 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *s, float *
     }
 }
 
+/* Sums of four products of unsigned bytes u and signed bytes a, per 32-bit lane: one vpdpbusd where the CPU
+ * has VNNI (AVX-512 VNNI with VL, or AVX-VNNI), else vpmaddubsw then vpmaddwd. The same integers either way:
+ * vpmaddubsw's 16-bit sums cannot saturate here (|u| <= 128 and |a| <= 127: at most 32,512). */
+static inline __m256i udot(__m256i u, __m256i a, __m256i ones) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    (void)ones;
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, a);
+#elif defined(__AVXVNNI__)
+    (void)ones;
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, a);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), ones);
+#endif
+}
+
 /* The 32 codes of group g of a q4 row, one per byte, in order. */
 static inline __m256i q4_group(const uint8_t *codes, int64_t g) {
     __m128i b = _mm_loadu_si128((const __m128i *)(codes + 16 * g));
@@ -146,7 +161,7 @@ static inline __attribute__((always_inline)) void dot_rows(int R, int layout, in
         for (int r = 0; r < R; r++) {                                                                      \
             __m256i a = _mm256_loadu_si256((const __m256i *)(q + r * k + 32 * (g)));                       \
             if (layout == I8) a = _mm256_sign_epi8(a, c);                                                  \
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), ones);                         \
+            const __m256i p = udot(u, a, ones);                                                            \
             const __m256 f = group == 32 ? _mm256_broadcast_ss(&prod[r][g])                                \
                                          : _mm256_mul_ps(sw, _mm256_set1_ps(s[r * groups + (g)]));         \
             acc[r][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), f, acc[r][half]);                        \
@@ -180,6 +195,9 @@ static inline __attribute__((always_inline)) void dot_tile(int rows, int layout,
 
 #define ROW_TILE 4   /* activation rows sharing one pass over a weight row */
 #define COL_TILE 16  /* weight rows per task: they stay in cache while every row tile passes */
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 4 /* weight rows prefetched ahead of the one being multiplied (first row tile only) */
+#endif
 
 /* pagoda_int8dot_linear with out's rows ldo floats apart (a part of a wider output). */
 static int int8dot_linear(const float *x, int64_t m, int64_t k, int64_t n, int layout, int group, const void *codes,
@@ -216,6 +234,16 @@ static int int8dot_linear(const float *x, int64_t m, int64_t k, int64_t n, int l
                 const uint8_t *c = (const uint8_t *)codes + j * row_bytes;
                 const char *Sj = (const char *)S + j * sgroups * esize;
                 const char *Oj = O ? (const char *)O + j * sgroups * esize : NULL;
+                if (PREFETCH_ROWS > 0 && r0 == 0 && j + PREFETCH_ROWS < n) { /* the weight row a few ahead, into cache meanwhile */
+                    const char *next = (const char *)c + PREFETCH_ROWS * row_bytes;
+                    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+                    const char *ns = Sj + PREFETCH_ROWS * sgroups * esize;
+                    for (int64_t b = 0; b < sgroups * esize; b += 64) _mm_prefetch(ns + b, _MM_HINT_T0);
+                    if (Oj) {
+                        const char *no = Oj + PREFETCH_ROWS * sgroups * esize;
+                        for (int64_t b = 0; b < sgroups * esize; b += 64) _mm_prefetch(no + b, _MM_HINT_T0);
+                    }
+                }
                 /* each call a constant layout and group: its own instantiation of dot_rows */
                 if (layout == Q4)
                     dot_tile((int)rows, Q4, 32, qr, sr, br, hr, k, c, Sj, Oj, f16, o, ldo);

@@ -4,7 +4,8 @@ Why a C kernel of our own: torch's CPU kernels for low-bit weights (``_weight_in
 ``_weight_int8pack_mm``) widen every weight to float and multiply in float, which on AVX2 costs about as
 much per step as llama.cpp's whole step (docs/benchmarks.md, CPU section); torchao's integer kernels
 need AVX-512 VNNI or ARM. llama.cpp instead quantizes each activation row to int8 per 32 inputs and
-multiplies 8-bit integers (``vpmaddubsw``), four times the work per instruction. ``cpu_int8dot.c``
+multiplies 8-bit integers (``vpmaddubsw``, or ``vpdpbusd`` where the CPU has VNNI), four times the work per
+instruction. ``cpu_int8dot.c``
 does the same for two weight layouts (4-bit codes two per byte; signed 8-bit codes), with the GGUF
 types decoded into them at load (``formats.gguf_blocks``). It is compiled at first use with the
 system's C compiler (``pagoda.kernels.native``); without a compiler, or on a CPU without AVX2 and
