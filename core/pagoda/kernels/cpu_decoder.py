@@ -37,12 +37,13 @@ F32 = torch.float32
 class NativeLinearPart:
     """Output columns of a linear map computed by a C function
     ``int fn(const void *weight, const float *x, int64_t m, float *out, int64_t ldo, int threads)``
-    (x [m, in] contiguous; out's rows ``ldo`` floats apart; 0 on success). ``keep`` holds whatever the
+    (x [m, inputs] contiguous; out's rows ``ldo`` floats apart; 0 on success). ``keep`` holds whatever the
     two addresses point into."""
 
     fn: int
     weight: int
     rows: int
+    inputs: int
     keep: Any = None
 
 
@@ -111,7 +112,8 @@ def _linear_parts(layer) -> list[NativeLinearPart] | None:
     if not isinstance(layer, LinearBase) or native is None or getattr(layer, "tp_size", 1) != 1:
         return None
     parts = native(layer)
-    if not parts or sum(p.rows for p in parts) != sum(layer.output_partition_sizes):
+    if (not parts or sum(p.rows for p in parts) != sum(layer.output_partition_sizes)
+            or any(p.inputs != layer.input_size_per_partition for p in parts)):
         return None
     bias = getattr(layer, "bias", None)
     return parts if bias is None or _f32(bias) else None
@@ -134,13 +136,11 @@ class CpuDecoderStack:
     def __init__(self, parts: list[DecoderLayerParts], linears: list[list[list[NativeLinearPart]]]):
         self.parts, first = parts, parts[0]
         att, rope = first.attention.spec, first.rotary
-        qkv_cols = sum(first.qkv.output_partition_sizes)
         self.hidden = first.input_norm.weight.shape[0]
         self.dims = _Dims(hidden=self.hidden, nq=att.num_heads, nk=att.num_kv_heads, hd=att.head_size,
                           inter=sum(first.gate_up.output_partition_sizes) // 2, rot=rope.cos_sin_cache.shape[1],
                           npos=rope.cos_sin_cache.shape[0], slots=0, eps=first.input_norm.eps, scale=att.scale,
                           neox=int(bool(rope.is_neox)), cos_sin=rope.cos_sin_cache.data_ptr())
-        assert qkv_cols == (att.num_heads + 2 * att.num_kv_heads) * att.head_size
         self._keep = [rope.cos_sin_cache, linears]
         self.layers = (_Layer * len(parts))()
         for i, (p, lin) in enumerate(zip(parts, linears)):
@@ -187,6 +187,16 @@ class CpuDecoderStack:
                 return None
             lin = [_linear_parts(m) for m in (p.qkv, p.o, p.gate_up, p.down)]
             if any(x is None for x in lin) or p.gate_up.bias is not None or p.down.bias is not None:
+                return None
+            # the shapes the C code assumes (each part reads `inputs` floats per row: checked above)
+            hidden, inter2 = first.input_norm.weight.shape[0], sum(p.gate_up.output_partition_sizes)
+            heads = spec.num_heads * spec.head_size
+            if (p.qkv.input_size_per_partition != hidden or p.gate_up.input_size_per_partition != hidden
+                    or sum(p.qkv.output_partition_sizes) != heads + 2 * spec.num_kv_heads * spec.head_size
+                    or p.o.input_size_per_partition != heads or sum(p.o.output_partition_sizes) != hidden
+                    or inter2 % 2 or p.down.input_size_per_partition != inter2 // 2
+                    or sum(p.down.output_partition_sizes) != hidden
+                    or p.post_attention_norm.weight.shape[0] != hidden):
                 return None
             linears.append(lin)
         return cls(parts, linears)

@@ -239,7 +239,7 @@ def _native_parts(segments: list[_Segment]):
         if found is None:
             return None
         fn, weight, keep = found
-        parts.append(NativeLinearPart(fn, weight, seg.rows, (seg.dot, keep)))
+        parts.append(NativeLinearPart(fn, weight, seg.rows, seg.dot.k, (seg.dot, keep)))
     return parts
 
 
