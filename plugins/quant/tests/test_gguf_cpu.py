@@ -209,3 +209,49 @@ def test_packed_planes_are_cached_and_mapped_on_the_next_load(k_quant_file, tmp_
     monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path / "off"))
     LLM(**kw)
     assert not (tmp_path / "off").exists()
+
+
+@pytest.fixture
+def prefill_dtype_env(monkeypatch):
+    """Sets PAGODA_CPU_PREFILL_DTYPE (and forgets the cached choice before and after)."""
+    cpu_int8dot.prefill_dtype.cache_clear()
+
+    def choose(value: str):
+        monkeypatch.setenv("PAGODA_CPU_PREFILL_DTYPE", value)
+        cpu_int8dot.prefill_dtype.cache_clear()
+
+    yield choose
+    monkeypatch.undo()
+    cpu_int8dot.prefill_dtype.cache_clear()
+
+
+def test_prefill_dtype_is_bfloat16_only_where_the_cpu_has_amx(prefill_dtype_env, monkeypatch):
+    for amx, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx, raising=False)
+        prefill_dtype_env("auto")
+        assert cpu_int8dot.prefill_dtype() is want
+    prefill_dtype_env("float32")
+    assert cpu_int8dot.prefill_dtype() is torch.float32
+    prefill_dtype_env("fp8")
+    from pagoda.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="PAGODA_CPU_PREFILL_DTYPE='fp8'"):
+        cpu_int8dot.prefill_dtype()
+
+
+@pytest.mark.skipif(not cpu_int8dot.available(), reason="no C compiler or no AVX2/FMA on this CPU")
+def test_bfloat16_prefill_is_the_float32_prefill_to_bfloat16_rounding(k_quant_file, prefill_dtype_env):
+    """A prompt of more than DEQUANT_ROWS tokens goes through the widened weights' GEMM: in bfloat16 its
+    logits differ from the float32 GEMM's (another path ran) by bfloat16's rounding, no more."""
+    kw = dict(model=str(k_quant_file), device="cpu", max_model_len=512, num_kv_blocks=40, block_size=16)
+    ids = np.random.default_rng(3).integers(5, 250, DEQUANT_ROWS + 72).tolist()
+    logits = {}
+    for dtype in ("float32", "bfloat16"):
+        prefill_dtype_env(dtype)
+        llm = LLM(**kw)
+        assert f"{dtype} GEMM" in llm.engine.runner.model.quant_config.describe()
+        logits[dtype] = llm.prompt_logits(ids)
+    a, b = logits["float32"], logits["bfloat16"]
+    assert not torch.equal(a, b)
+    assert float((a - b).abs().max()) < 0.04 * float(a.abs().max())  # 0.020 on the machine it was written on
+    assert float((a.argmax(-1) == b.argmax(-1)).float().mean()) > 0.9

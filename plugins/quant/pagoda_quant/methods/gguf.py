@@ -99,7 +99,7 @@ class _Segment:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.dot is not None:  # (a decode step calls this a hundred times: no imports here)
             if x.numel() >= DEQUANT_ROWS * x.shape[-1]:  # a prefill chunk: widen once, the float GEMM
-                return F.linear(x, self.dot.widen().to(x.dtype))
+                return self.dot.prefill(x)
             return dot_linear(x, self.dot)
         return planes_linear(x, self.planes) if self.planes is not None else F.linear(x, self.weight.to(x.dtype))
 
@@ -271,6 +271,9 @@ class GgufCpuLinear(QuantizedLinearMethod):
                 raise ModelLoadError(f"quantization gguf: layer {layer_name(layer)}: a {kind or 'float'} piece of "
                                      f"{t.shape[0]} rows where {size} are expected")
         layer.gguf_segments = _cached_segments(self.config, layer_name(layer), ordered, self.dtype)
+        from pagoda_quant.kernels.cpu_int8dot import prefill_dtype
+
+        prefill_dtype()  # a bad PAGODA_CPU_PREFILL_DTYPE fails the load, not a later step
         replace_param(layer, "weight", None)
 
     def apply(self, layer, x, bias):
@@ -430,6 +433,8 @@ class GgufConfig(PolicyConfig):
             from pagoda_quant.kernels import cpu_int8dot
 
             if cpu_int8dot.available():
-                return "gguf: the file's quantized blocks on the CPU's int8 dot-product kernel (not widened)"
+                prefill = "bfloat16" if cpu_int8dot.prefill_dtype() is torch.bfloat16 else "float32"
+                return (f"gguf: the file's quantized blocks on the CPU's int8 dot-product kernel (not widened); "
+                        f"prefill chunks widen them for a {prefill} GEMM (PAGODA_CPU_PREFILL_DTYPE)")
             return "gguf: the file's quantized blocks as packed int4 planes on torch's CPU kernel (not widened)"
         return "gguf: Q4_1 linear weights of a GGUF file computed as INT4 (group 32), not dequantized"
