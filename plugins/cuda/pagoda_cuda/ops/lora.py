@@ -51,6 +51,28 @@ def _tile(tiles_ptr, tiles_stride, order_ptr, tile, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
+def _shrink_dot(x_ptr, x_stride, tokens, inside, a_base, a_row_stride, ranks, rank_ok, k_begin, k_stop, k_end,
+                NATIVE: tl.constexpr, IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """x[tokens, k_begin:k_end] @ A[ranks, k_begin:k_end].T -> [BLOCK_T, BLOCK_R] float32 (the loop runs to
+    k_stop: k_end, or 0 for an empty tile, which then loads nothing)."""
+    acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+    for k0 in range(k_begin, k_stop, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + tokens[:, None] * x_stride + cols[None, :],
+                    mask=inside[:, None] & (cols[None, :] < k_end), other=0.0)
+        a = tl.load(a_base + ranks[None, :] * a_row_stride + cols[:, None],  # A.T tile [BLOCK_K, BLOCK_R]
+                    mask=rank_ok[None, :] & (cols[:, None] < k_end), other=0.0)
+        if NATIVE:  # bf16 / fp16 operands: exact products, float32 sums
+            acc += tl.dot(x, a)
+        elif IEEE:
+            acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(x.to(tl.float32), a.to(tl.float32))
+    return acc
+
+
+@triton.jit
 def _shrink_kernel(x_ptr, x_stride, a_ptr, a_slot_stride, a_row_stride, tiles_ptr, tiles_stride, order_ptr,
                    h_ptr, h_split_stride, h_stride, K_PER_SPLIT, K: tl.constexpr, R, NATIVE: tl.constexpr,
                    IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -59,20 +81,8 @@ def _shrink_kernel(x_ptr, x_stride, a_ptr, a_slot_stride, a_row_stride, tiles_pt
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     k_begin = tl.program_id(2) * K_PER_SPLIT
     k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
-    a_base = a_ptr + slot * a_slot_stride
-    acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + tokens[:, None] * x_stride + cols[None, :],
-                    mask=inside[:, None] & (cols[None, :] < k_end), other=0.0)
-        a = tl.load(a_base + rows[None, :] * a_row_stride + cols[:, None],  # A.T tile [BLOCK_K, BLOCK_R]
-                    mask=(rows[None, :] < R) & (cols[:, None] < k_end), other=0.0)
-        if NATIVE:  # bf16 / fp16 operands: exact products, float32 sums
-            acc += tl.dot(x, a)
-        elif IEEE:
-            acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(x.to(tl.float32), a.to(tl.float32))
+    acc = _shrink_dot(x_ptr, x_stride, tokens, inside, a_ptr + slot * a_slot_stride, a_row_stride, rows, rows < R,
+                      k_begin, k_end, k_end, NATIVE, IEEE, BLOCK_T, BLOCK_R, BLOCK_K)
     out = h_ptr + tl.program_id(2).to(tl.int64) * h_split_stride + tokens[:, None] * h_stride + rows[None, :]
     tl.store(out, acc, mask=inside[:, None] & (rows[None, :] < R))
 
@@ -90,12 +100,7 @@ def _expand_kernel(y_ptr, y_stride, h_ptr, h_split_stride, h_stride, b_ptr, b_sl
                      mask=inside[:, None] & (ranks[None, :] < R), other=0.0)
     b = tl.load(b_ptr + slot * b_slot_stride + cols[None, :] * b_row_stride + ranks[:, None],
                 mask=(cols[None, :] < N) & (ranks[:, None] < R), other=0.0).to(tl.float32)  # B.T [R, N]
-    if IEEE:
-        acc = tl.dot(h, b, input_precision="ieee")
-    elif PLAIN:
-        acc = tl.dot(h, b)
-    else:
-        acc = tl.dot(h, b, input_precision="tf32")
+    acc = _expand_dot(h, b, IEEE, PLAIN)
     mask = inside[:, None] & (cols[None, :] < N)
     out = y_ptr + tokens[:, None] * y_stride + cols[None, :]
     y = tl.load(out, mask=mask, other=0.0).to(tl.float32)
@@ -140,20 +145,8 @@ def _fused_kernel(x_ptr, x_stride, y_ptr, y_stride, a_ptr, a_slot_stride, a_row_
     mask_first = inside[:, None] & col_ok[None, :]
     y_first = tl.load(y_ptr + tokens[:, None] * y_stride + cols[None, :], mask=mask_first, other=0.0)
     # h = x_tile @ A_slot.T (this piece's rank columns), over the whole K
-    a_base = a_ptr + slot * a_slot_stride
-    h = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, k_stop, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + tokens[:, None] * x_stride + kk[None, :],
-                    mask=inside[:, None] & (kk[None, :] < K), other=0.0)
-        a = tl.load(a_base + ranks[None, :] * a_row_stride + kk[:, None],  # A.T tile [BLOCK_K, BLOCK_R]
-                    mask=rank_ok[None, :] & (kk[:, None] < K), other=0.0)
-        if NATIVE:  # bf16 / fp16 operands: exact products, float32 sums
-            h += tl.dot(x, a)
-        elif IEEE:
-            h += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
-        else:
-            h += tl.dot(x.to(tl.float32), a.to(tl.float32))
+    h = _shrink_dot(x_ptr, x_stride, tokens, inside, a_ptr + slot * a_slot_stride, a_row_stride, ranks, rank_ok,
+                    0, k_stop, K, NATIVE, IEEE, BLOCK_T, BLOCK_R, BLOCK_K)
     # y[:, group's columns] += h @ B_slot[columns, ranks].T, BLOCK_N columns at a time
     d = _expand_dot(h, b_first.to(tl.float32), IEEE, PLAIN)
     tl.store(y_ptr + tokens[:, None] * y_stride + cols[None, :],
@@ -256,9 +249,6 @@ DECODE_TOKENS = 256  # up to this many tokens a batch is decode-sized (the graph
 # the fastest over Qwen3-0.6B's layers in kernel_bench's sweep on an H200 (docs/benchmarks.md)
 FUSED_DECODE = (128, 128, 1, 4)
 FUSED_PREFILL = (128, 128, 2, 4)
-# from this many tokens lora_fused runs shrink then expand instead; unset: the fused kernel was faster at
-# every prefill shape measured (4,096 tokens)
-TWO_KERNELS_FROM: int | None = None
 
 
 def fused_config(num_tokens: int) -> tuple:
@@ -290,8 +280,6 @@ def lora_fused(x: torch.Tensor, y: torch.Tensor, a_stack: torch.Tensor, b_stack:
     ``config``: (BLOCK_N, BLOCK_K, programs per SM, num_warps), by default ``fused_config(T)``."""
     order, tiles = _work_list(token_slots, token_order, tiles)
     t, k = x.shape
-    if config is None and TWO_KERNELS_FROM is not None and t >= TWO_KERNELS_FROM:
-        return lora_expand(y, lora_shrink(x, a_stack, token_slots, order, tiles), b_stack, token_slots, order, tiles)
     x, a_stack, b_stack = _rows(x), a_stack.contiguous(), b_stack.contiguous()
     target = _rows(y)
     n, r = target.shape[1], a_stack.shape[1]
