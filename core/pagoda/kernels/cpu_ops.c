@@ -77,38 +77,43 @@ void pagoda_add_rms_norm(const float *x, const float *res, int64_t t, int64_t h,
     pagoda_rms_norm(sum, t, h, h, w, eps, out);
 }
 
-/* Rotary embedding of `heads` heads of size hs per row (row stride sx) into out [t, heads * hs]: the first
- * `rot` dims of each head rotated by the cos/sin of row positions[t] of cache [P, rot] (cos in the first
- * half, sin in the second); neox: halves (x1 = first half, x2 = second), else interleaved pairs; dims past
- * rot copied. Returns -1, or the first row whose position is outside the cache's P rows (nothing read past
- * the table: every position is checked before any row is done). */
+/* Rotary of `heads` heads of size hs of one row x, in place: the first `rot` dims of each head rotated by the
+ * cos/sin row cs (cos in its first half, sin in the second); neox: halves (x1 = first half, x2 = second),
+ * else interleaved pairs; dims past rot untouched. */
+static void rotate_heads(float *x, int64_t heads, int64_t hs, const float *cs, int64_t rot, int neox) {
+    const int64_t half = rot / 2;
+    const float *cosv = cs, *sinv = cs + half;
+    for (int64_t h = 0; h < heads; h++) {
+        float *xh = x + h * hs;
+        if (neox) {
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = xh[i], x2 = xh[i + half];
+                xh[i] = x1 * cosv[i] - x2 * sinv[i];
+                xh[i + half] = x2 * cosv[i] + x1 * sinv[i];
+            }
+        } else {
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = xh[2 * i], x2 = xh[2 * i + 1];
+                xh[2 * i] = x1 * cosv[i] - x2 * sinv[i];
+                xh[2 * i + 1] = x2 * cosv[i] + x1 * sinv[i];
+            }
+        }
+    }
+}
+
+/* Rotary embedding of `heads` heads of size hs per row (row stride sx) into out [t, heads * hs] (rotate_heads
+ * on a copy of each row), with the cos/sin of row positions[t] of cache [P, rot]. Returns -1, or the first row
+ * whose position is outside the cache's P rows (nothing read past the table: every position is checked
+ * before any row is done). */
 int64_t pagoda_rotary(const float *x, int64_t t, int64_t heads, int64_t hs, int64_t sx, const int64_t *positions,
                       const float *cache, int64_t npos, int64_t rot, int neox, float *out) {
     for (int64_t r = 0; r < t; r++)
         if (positions[r] < 0 || positions[r] >= npos) return r;
-    const int64_t half = rot / 2;
     for (int64_t r = 0; r < t; r++) {
-        const float *cs = cache + positions[r] * rot;
-        const float *cosv = cs, *sinv = cs + half;
-        for (int64_t h = 0; h < heads; h++) {
-            const float *xh = x + r * sx + h * hs;
-            float *o = out + (r * heads + h) * hs;
-            if (neox) {
-#pragma omp simd
-                for (int64_t i = 0; i < half; i++) {
-                    const float x1 = xh[i], x2 = xh[i + half];
-                    o[i] = x1 * cosv[i] - x2 * sinv[i];
-                    o[i + half] = x2 * cosv[i] + x1 * sinv[i];
-                }
-            } else {
-                for (int64_t i = 0; i < half; i++) {
-                    const float x1 = xh[2 * i], x2 = xh[2 * i + 1];
-                    o[2 * i] = x1 * cosv[i] - x2 * sinv[i];
-                    o[2 * i + 1] = x2 * cosv[i] + x1 * sinv[i];
-                }
-            }
-            if (rot < hs) memcpy(o + rot, xh + rot, sizeof(float) * (size_t)(hs - rot));
-        }
+        float *o = out + r * heads * hs;
+        memcpy(o, x + r * sx, sizeof(float) * (size_t)(heads * hs));
+        rotate_heads(o, heads, hs, cache + positions[r] * rot, rot, neox);
     }
     return -1;
 }
@@ -280,21 +285,6 @@ static int linear_apply(const struct pagoda_linear_part *parts, int64_t n, const
         for (int64_t r = 0; r < m; r++)
             for (int64_t i = 0; i < ldo; i++) out[r * ldo + i] += bias[i];
     return 0;
-}
-
-/* Rotary of `heads` heads of row x in place (the cos/sin row cs: cos in its first half, sin in the second). */
-static void rotate_heads(float *x, int64_t heads, int64_t hs, const float *cs, int64_t rot, int neox) {
-    const int64_t half = rot / 2;
-    const float *cosv = cs, *sinv = cs + half;
-    for (int64_t h = 0; h < heads; h++) {
-        float *xh = x + h * hs;
-        for (int64_t i = 0; i < half; i++) {
-            const int64_t a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
-            const float x1 = xh[a], x2 = xh[b];
-            xh[a] = x1 * cosv[i] - x2 * sinv[i];
-            xh[b] = x2 * cosv[i] + x1 * sinv[i];
-        }
-    }
 }
 
 /* x [nb, hidden] in and out; positions, slots [nb]; tables [nb, ts], lens [nb] as pagoda_decode_attention's.
