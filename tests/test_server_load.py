@@ -202,6 +202,18 @@ def test_bench_serve_reports_latency_and_throughput(server, capsys):
     assert "loopback" in capsys.readouterr().err
 
 
+def test_bench_serve_drives_the_load_from_several_processes(server, capsys):
+    rc = pagoda_main(["bench", "serve", "--url", server.url, "--num-requests", "7", "--concurrency", "3",
+                      "--max-tokens", "5", "--prompt-len", "4", "--client-processes", "2", "--json"])
+    rep = json.loads(capsys.readouterr().out)
+    # every request sent once (split 4 + 3 between the processes), the token counts summed
+    assert rc == 0 and rep["requests"] == rep["completed"] == 7 and rep["output_tokens"] == 35
+    assert rep["client_processes"] == 2 and 0 < rep["client_cpu_share"] < 1.5
+    assert rep["output_tokens_per_s"] == pytest.approx(35 / rep["duration_s"], rel=0.01)
+    assert pagoda_main(["bench", "serve", "--url", server.url, "--client-processes", "0"]) == 1
+    assert "--client-processes" in capsys.readouterr().err
+
+
 def test_bench_serve_structured_outputs_mode_reports_the_mask_cost(server, capsys):
     rc = pagoda_main(["bench", "serve", "--url", server.url, "--num-requests", "6", "--concurrency", "3",
                       "--max-tokens", "12", "--prompt-len", "4", "--structured-outputs", "json",

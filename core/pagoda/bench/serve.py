@@ -10,6 +10,7 @@ with EOS ignored. Only servers on this machine (loopback) are accepted.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ipaddress
 import json
 import random
@@ -53,6 +54,10 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="with --compare-unconstrained: this many unconstrained/constrained pairs, interleaved; "
                         "the ratio reported is the median of the pairs' (a server's rate varies between runs)")
+    p.add_argument("--client-processes", type=int, default=1,
+                   help="drive the load from this many processes (requests and concurrency split between them): "
+                        "one Python process parses about 8,000 streamed tokens/s, and a faster server needs more "
+                        "(the report's client_cpu_share says when)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
 
@@ -104,6 +109,7 @@ class Plan:
     concurrency: int | None = None
     duration: float | None = None
     structured: str | None = None  # --structured-outputs
+    client_processes: int = 1
     results: list[Result] = field(default_factory=list)
 
 
@@ -182,12 +188,16 @@ def _carries_token(event: dict) -> bool:
     return False
 
 
-async def drive(plan: Plan) -> float:
+async def drive(plan: Plan, t0: float | None = None) -> float:
+    """Send the plan's requests (its results fill ``plan.results``); the wall time from ``t0`` (a
+    ``time.perf_counter()`` value, the same clock in every process of this machine; default: now)."""
     import httpx
 
     limit = plan.concurrency or len(plan.prompts)
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=limit + 4)) as client:
-        t0 = time.perf_counter()
+        if t0 is not None:
+            await asyncio.sleep(max(0.0, t0 - time.perf_counter()))
+        t0 = time.perf_counter() if t0 is None else t0
         stop_at = None if plan.duration is None else t0 + plan.duration
         if plan.concurrency:
             queue = iter(plan.prompts)
@@ -256,8 +266,10 @@ def build_plan(args) -> Plan:
     prompts = [" ".join(rng.choice(WORDS) for _ in range(args.prompt_len)) for _ in range(args.num_requests)]
     if args.compare_unconstrained and not args.structured_outputs:
         raise ConfigError("--compare-unconstrained needs --structured-outputs")
+    if args.client_processes < 1:
+        raise ConfigError("--client-processes must be >= 1")
     plan = Plan(url, headers, model, args.endpoint, prompts, args.max_tokens, args.temperature, args.timeout,
-                duration=args.duration, structured=args.structured_outputs)
+                duration=args.duration, structured=args.structured_outputs, client_processes=args.client_processes)
     if args.request_rate is not None:
         if args.request_rate <= 0:
             raise ConfigError("--request-rate must be > 0")
@@ -289,12 +301,64 @@ def scrape(plan: Plan) -> dict[str, float]:
     return values
 
 
+def _drive_part(plan: Plan, t0: float | None = None) -> tuple[list[Result], float, float]:
+    """One client process's run: (its results, its wall time from t0, its CPU seconds)."""
+    plan.results = []
+    cpu0 = time.process_time()
+    wall = asyncio.run(drive(plan, t0))
+    return plan.results, wall, time.process_time() - cpu0
+
+
+def _client_ready(hold: float) -> None:
+    import httpx  # noqa: F401 - imported before the clock starts
+
+    time.sleep(hold)
+
+
+def _split(plan: Plan, n: int) -> list[Plan]:
+    """The plan in n parts: every n-th request (with its arrival time) and 1/n of the concurrency each."""
+    if plan.concurrency:
+        n = min(n, plan.concurrency)
+    parts = []
+    for i in range(n):
+        part = dataclasses.replace(plan, prompts=plan.prompts[i::n], results=[],
+                                   arrivals=None if plan.arrivals is None else plan.arrivals[i::n])
+        if plan.concurrency:
+            part.concurrency = plan.concurrency // n + (i < plan.concurrency % n)
+        parts.append(part)
+    return [p for p in parts if p.prompts]
+
+
+def _drive(plan: Plan) -> tuple[float, float]:
+    """Run the plan from ``plan.client_processes`` processes that start together; fills
+    ``plan.results``; returns (wall time, the busiest process's CPU time over the wall time)."""
+    if plan.client_processes <= 1:
+        plan.results, wall, cpu = _drive_part(plan)
+        return wall, cpu / wall if wall > 0 else 0.0
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    parts = _split(plan, plan.client_processes)
+    # spawned (this process may run threads, e.g. a server in tests); each worker first imports its client
+    # and holds on a moment, so that every part starts in its own, ready process at the same t0
+    with ProcessPoolExecutor(len(parts), mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(_client_ready, [0.2] * len(parts)))
+        t0 = time.perf_counter() + 0.05
+        done = list(pool.map(_drive_part, parts, [t0] * len(parts)))
+    plan.results = [r for results, _, _ in done for r in results]
+    wall = max(w for _, w, _ in done)
+    return wall, max(cpu / wall for _, _, cpu in done) if wall > 0 else 0.0
+
+
 def measured(plan: Plan) -> dict:
     """One run of the plan; with a constraint, the mask cost the server reports for it."""
     before = scrape(plan) if plan.structured else None
-    plan.results = []
-    wall = asyncio.run(drive(plan))
+    wall, client_cpu = _drive(plan)
     rep = report(plan, wall)
+    # The client's own CPU time over the wall time (its busiest process): near 1.0 the client (a Python
+    # process parsing every streamed event) bounds the rate, not the server.
+    rep["client_cpu_share"] = round(client_cpu, 3)
+    rep["client_processes"] = plan.client_processes
     rep["structured_outputs"] = plan.structured
     if before is not None:
         after = scrape(plan)
@@ -343,6 +407,10 @@ def _print(rep: dict) -> None:
     for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
         v = rep[key]
         print(f"  {key[:-3].upper():<5} ms  p50 {v['p50']}  p90 {v['p90']}  p99 {v['p99']}")
+    share = rep.get("client_cpu_share")
+    if share is not None:
+        busy = "  (the client may be the bottleneck: more --client-processes)" if share > 0.85 else ""
+        print(f"  client CPU  {100 * share:.0f}% of the wall time{busy}")
     mask = rep.get("grammar_mask")
     if mask:
         print(f"  grammar masks: {mask['ms_per_step']} ms per engine step, {mask['us_per_row']} us per row, "
