@@ -225,9 +225,11 @@ def prefill_dtype_env(monkeypatch):
     cpu_int8dot.prefill_dtype.cache_clear()
 
 
-def test_prefill_dtype_is_bfloat16_only_where_the_cpu_has_amx(prefill_dtype_env, monkeypatch):
-    for amx, want in ((True, torch.bfloat16), (False, torch.float32)):
-        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx, raising=False)
+def test_prefill_dtype_is_bfloat16_only_where_the_cpu_multiplies_it(prefill_dtype_env, monkeypatch):
+    cases = ((True, False, torch.bfloat16), (False, True, torch.bfloat16), (False, False, torch.float32))
+    for amx, avx512_bf16, want in cases:
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v, raising=False)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v, raising=False)
         prefill_dtype_env("auto")
         assert cpu_int8dot.prefill_dtype() is want
     prefill_dtype_env("float32")

@@ -64,19 +64,24 @@ PREFILL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 @functools.lru_cache(maxsize=1)
 def prefill_dtype() -> torch.dtype:
     """The dtype of a prefill chunk's GEMM over widened GGUF weights (``PAGODA_CPU_PREFILL_DTYPE``):
-    ``auto`` (the default) takes bfloat16 where the CPU multiplies it in hardware (AMX: torch's oneDNN
-    GEMM there is 2-4x the float32 one), else float32. The weights and activations are then rounded to
-    bfloat16 (8 bits of mantissa: about 0.4% of a value, a finer rounding than the int8 activations of
-    decode steps), the products summed in float32."""
+    ``auto`` (the default) takes bfloat16 where the CPU multiplies it in hardware (AMX, or AVX-512 BF16's
+    dot-product instructions: torch's oneDNN GEMM there is 2-4x, resp. 2-2.7x the float32 one), else
+    float32. The weights and activations are then rounded to bfloat16 (8 bits of mantissa: about 0.4% of
+    a value, a finer rounding than the int8 activations of decode steps), the products summed in float32."""
     choice = os.environ.get("PAGODA_CPU_PREFILL_DTYPE", "auto")
     if choice == "auto":
-        amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-        return torch.bfloat16 if amx() else torch.float32
+        return torch.bfloat16 if _multiplies_bfloat16() else torch.float32
     if choice not in PREFILL_DTYPES:
         from pagoda.errors import ConfigError
 
         raise ConfigError(f"PAGODA_CPU_PREFILL_DTYPE={choice!r}: expected auto, {', '.join(PREFILL_DTYPES)}")
     return PREFILL_DTYPES[choice]
+
+
+def _multiplies_bfloat16() -> bool:
+    """Whether this CPU has bfloat16 multiply instructions (AMX tiles or AVX-512 BF16)."""
+    return any(getattr(torch.cpu, name, lambda: False)()
+               for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
 
 
 def available() -> bool:
