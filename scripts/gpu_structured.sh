@@ -16,6 +16,7 @@
 # Settings: BACKENDS="xgrammar llguidance" CONCURRENCY=64 NUM_REQUESTS=256 MAX_TOKENS=256 PROMPT_LEN=64
 #   REPEATS=3 (interleaved unconstrained/constrained pairs; the ratio is their median: one pair varies by 0.1-0.2)
 #   SERVE_ARGS="" (extra arguments of pagoda serve, e.g. --no-async-scheduling)
+#   CLIENT_PROCESSES="1" (bench serve --client-processes; several values: one bench each, bench-<backend>-c<N>.json)
 #   OFFLINE=1 (first the engine alone: pagoda bench throughput, unconstrained and --structured-outputs json,
 #   at the same concurrency; offline-*.json)
 set -uo pipefail
@@ -67,11 +68,13 @@ for backend in $BACKENDS; do
     sleep 1
   done
   say "server up (pid $SERVER); bench: $NUM_REQUESTS requests, concurrency $CONCURRENCY, $MAX_TOKENS tokens"
-  timeout 240 $PY -m pagoda.cli.main bench serve --url "http://127.0.0.1:$PORT" --concurrency "$CONCURRENCY" \
-    --num-requests "$NUM_REQUESTS" --max-tokens "$MAX_TOKENS" --prompt-len "$PROMPT_LEN" \
-    --structured-outputs json --compare-unconstrained --repeats "$REPEATS" --json > "$OUT/bench-$backend.json" \
-    2>>"$LOG"
-  say "bench exit $?"
+  for clients in ${CLIENT_PROCESSES:-1}; do
+    timeout 240 $PY -m pagoda.cli.main bench serve --url "http://127.0.0.1:$PORT" --concurrency "$CONCURRENCY" \
+      --num-requests "$NUM_REQUESTS" --max-tokens "$MAX_TOKENS" --prompt-len "$PROMPT_LEN" \
+      --structured-outputs json --compare-unconstrained --repeats "$REPEATS" --client-processes "$clients" \
+      --json > "$OUT/bench-$backend-c$clients.json" 2>>"$LOG"
+    say "bench ($clients client processes) exit $?"
+  done
   kill $SERVER; wait $SERVER 2>/dev/null
 done
 $PY - "$OUT" <<'PYEOF' 2>&1 | tee -a "$LOG"
@@ -86,8 +89,8 @@ try:
           f"ahead {so['steps_launched_ahead']}; mask {mask.get('mask_ms_per_step', 0):.3f} ms/step (cumulative)")
 except (OSError, ValueError, KeyError) as exc:
     print("offline: none", exc)
-print("| backend | unconstrained tok/s | JSON-schema tok/s | ratio (median) | pair ratios | mask ms/step | mask us/row | mask share | steps launched ahead |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+print("| backend, client processes | unconstrained tok/s | JSON-schema tok/s | ratio (median) | pair ratios | mask ms/step | mask us/row | mask share | steps launched ahead | client CPU share (unconstrained / JSON) |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 for path in sorted(Path(sys.argv[1]).glob("bench-*.json")):
     try:
         r = json.loads(path.read_text())
@@ -96,5 +99,6 @@ for path in sorted(Path(sys.argv[1]).glob("bench-*.json")):
     m = r.get("grammar_mask") or {}
     print(f"| {path.stem[6:]} | {r['unconstrained']['output_tokens_per_s']} | {r['output_tokens_per_s']} | "
           f"{r.get('ratio_to_unconstrained')} | {r.get('pair_ratios')} | {m.get('ms_per_step')} | {m.get('us_per_row')} | "
-          f"{m.get('share_of_wall')} | {m.get('steps_launched_ahead')} / {m.get('engine_steps')} |")
+          f"{m.get('share_of_wall')} | {m.get('steps_launched_ahead')} / {m.get('engine_steps')} | "
+          f"{r['unconstrained'].get('client_cpu_share')} / {r.get('client_cpu_share')} |")
 PYEOF
