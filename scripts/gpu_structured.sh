@@ -24,7 +24,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/structured}
 mkdir -p "$OUT"
 LOG="$OUT/structured.log"
-BACKENDS=${BACKENDS:-"xgrammar llguidance"}
+BACKENDS=${BACKENDS-"xgrammar llguidance"}  # (empty: the offline part only)
 CONCURRENCY=${CONCURRENCY:-64}
 NUM_REQUESTS=${NUM_REQUESTS:-256}
 MAX_TOKENS=${MAX_TOKENS:-256}
