@@ -32,12 +32,9 @@ def load(path: Path) -> dict[str, list[tuple[list[str], int]]]:
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
-        frames = stack.split(";")
-        thread = frames[0] if frames[0].startswith(("thread", "process")) else "main"
-        if thread != "main":
-            frames = frames[1:]
-        if frames and frames[0].startswith("thread"):  # process;thread;...
-            thread, frames = frames[0], frames[1:]
+        frames, thread = stack.split(";"), "main"
+        while frames and frames[0].startswith(("process ", "thread ")):  # [process;][thread;]frames
+            thread = frames.pop(0)
         threads[thread].append(([short(f) for f in frames], int(count)))
     return threads
 

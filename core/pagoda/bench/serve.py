@@ -195,9 +195,10 @@ async def drive(plan: Plan, t0: float | None = None) -> float:
 
     limit = plan.concurrency or len(plan.prompts)
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=limit + 4)) as client:
-        if t0 is not None:
+        if t0 is None:
+            t0 = time.perf_counter()
+        else:
             await asyncio.sleep(max(0.0, t0 - time.perf_counter()))
-        t0 = time.perf_counter() if t0 is None else t0
         stop_at = None if plan.duration is None else t0 + plan.duration
         if plan.concurrency:
             queue = iter(plan.prompts)
@@ -333,18 +334,18 @@ def _drive(plan: Plan) -> tuple[float, float]:
     """Run the plan from ``plan.client_processes`` processes that start together; fills
     ``plan.results``; returns (wall time, the busiest process's CPU time over the wall time)."""
     if plan.client_processes <= 1:
-        plan.results, wall, cpu = _drive_part(plan)
-        return wall, cpu / wall if wall > 0 else 0.0
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+        done = [_drive_part(plan)]
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
 
-    parts = _split(plan, plan.client_processes)
-    # spawned (this process may run threads, e.g. a server in tests); each worker first imports its client
-    # and holds on a moment, so that every part starts in its own, ready process at the same t0
-    with ProcessPoolExecutor(len(parts), mp_context=multiprocessing.get_context("spawn")) as pool:
-        list(pool.map(_client_ready, [0.2] * len(parts)))
-        t0 = time.perf_counter() + 0.05
-        done = list(pool.map(_drive_part, parts, [t0] * len(parts)))
+        parts = _split(plan, plan.client_processes)
+        # spawned (this process may run threads, e.g. a server in tests); each worker first imports its client
+        # and holds on a moment, so that every part starts in its own, ready process at the same t0
+        with ProcessPoolExecutor(len(parts), mp_context=multiprocessing.get_context("spawn")) as pool:
+            list(pool.map(_client_ready, [0.2] * len(parts)))
+            t0 = time.perf_counter() + 0.05
+            done = list(pool.map(_drive_part, parts, [t0] * len(parts)))
     plan.results = [r for results, _, _ in done for r in results]
     wall = max(w for _, w, _ in done)
     return wall, max(cpu / wall for _, _, cpu in done) if wall > 0 else 0.0
