@@ -35,14 +35,7 @@ $PY -m pip install -q --no-index --no-deps --target /tmp/py-spy .whl/py_spy-*.wh
 export PATH="/tmp/py-spy/bin:$PATH"
 command -v py-spy >/dev/null || { say "ERROR: py-spy is not installed (add its wheel to .whl/)"; exit 1; }
 MODEL=/tmp/pagoda-structured-qwen3
-$PY - "$MODEL" <<'PYEOF' 2>&1 | tee -a "$LOG"
-import shutil, sys
-from pathlib import Path
-from pagoda.bench.shapes import write_shape
-model = write_shape("qwen3-0.6b", Path(sys.argv[1]))
-for f in Path(".whl/smollm2-tokenizer").iterdir():
-    shutil.copy(f, model / f.name)
-PYEOF
+$PY scripts/structured_model.py "$MODEL" 2>&1 | tee -a "$LOG"
 # py-spy attaches to the running server for the measured round only (start-up left out) where ptrace of a
 # non-child is allowed; else it launches the server and its profile includes the start-up.
 $PY -c "import time; time.sleep(20)" & PROBE=$!

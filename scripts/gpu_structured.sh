@@ -39,15 +39,7 @@ say() { echo "[structured +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
 # shellcheck source=scripts/gpu_install.sh
 . scripts/gpu_install.sh
 MODEL=/tmp/pagoda-structured-qwen3
-$PY - "$MODEL" <<'PYEOF' 2>&1 | tee -a "$LOG"
-import shutil, sys
-from pathlib import Path
-from pagoda.bench.shapes import write_shape
-model = write_shape("qwen3-0.6b", Path(sys.argv[1]))
-for f in Path(".whl/smollm2-tokenizer").iterdir():
-    shutil.copy(f, model / f.name)
-print("model", model, "with", sorted(p.name for p in model.iterdir()))
-PYEOF
+$PY scripts/structured_model.py "$MODEL" 2>&1 | tee -a "$LOG"
 if [ "${OFFLINE:-1}" = 1 ]; then  # the engine alone (LLM.generate), same requests: unconstrained, then constrained
   for so in "" json; do
     say "offline: pagoda bench throughput ${so:+--structured-outputs $so}"
