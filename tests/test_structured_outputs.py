@@ -296,6 +296,27 @@ def test_a_stale_or_failed_fill_ahead_is_filled_in_the_step(tokenizer):
     ahead.close()
 
 
+def test_a_fill_ahead_over_the_tokenizers_ids_widens_to_the_models_vocabulary(tokenizer):
+    """The worker fills rows as wide as the library writes them (the tokenizer's ids); ``take`` copies
+    them into the model's wider mask with the padded ids forbidden, as a fill in the step does."""
+    from types import SimpleNamespace
+
+    from pagoda.structured_outputs.mask_ahead import MaskAhead
+
+    manager = StructuredOutputManager("xgrammar", tokenizer, VOCAB, [tokenizer.eos_token_id])
+    matcher = manager.compile(StructuredOutputsParams(regex="(ab|cd)+!")).matcher()
+    ahead = MaskAhead()
+    ahead.width = matcher.words + 5  # the model's vocabulary pads 160 ids past the tokenizer's
+    ahead.start([SimpleNamespace(grammar=matcher, is_finished=False, request_id="r")])
+    bitmask = torch.full((2, ahead.width), -1, dtype=torch.int32)
+    assert ahead.take(bitmask, [(matcher, 1)]) == [] and ahead.rows_used == 1
+    want = torch.full((1, ahead.width), -1, dtype=torch.int32)
+    matcher.fill_bitmask(want, 0)  # (the step's own fill of a padded row)
+    assert torch.equal(bitmask[1], want[0]) and not bitmask[1, matcher.words:].any()
+    assert (bitmask[0] == -1).all()  # other rows untouched
+    ahead.close()
+
+
 def test_a_grammar_left_with_no_token_fails_only_its_request(llm, tokenizer):
     """A grammar whose every token the request's own constraints forbid (allowed_token_ids) fails
     that request, read in the same transfer as the batch's tokens; the others finish normally."""

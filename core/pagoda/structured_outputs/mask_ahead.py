@@ -4,8 +4,10 @@ A constrained sequence's next token mask depends only on the tokens its grammar 
 those are known as soon as a step's tokens are in (``RequestControls.advance``). Filling the masks
 then, on a worker thread, lets the grammar library work while the engine builds the step's outputs,
 hands them to the server, schedules the next step and launches its forward: xgrammar's batched fill
-and llguidance's parallel fill run natively without the GIL, so the two overlap for real. The
-sampler of the next step takes the rows that are still valid (the same matcher, no token accepted
+and llguidance's parallel fill run natively without the GIL, so the two overlap for real once the
+worker has started, which needs the GIL: ``start`` hands it over at once (without that, the worker
+began only when the engine thread next blocked, i.e. at the sampler's wait; scripts/mask_ahead_bench.py
+measures it). The sampler of the next step takes the rows that are still valid (the same matcher, no token accepted
 since) and fills only the others itself, as before.
 
     ahead = MaskAhead()
@@ -17,6 +19,7 @@ since) and fills only the others itself, as before.
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -52,8 +55,16 @@ class MaskAhead:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar-mask")
         self._rows = {id(m): (i, m.accepted) for i, m in enumerate(live)}
         self._matchers = live
-        bitmask = torch.empty((len(live), self.width), dtype=torch.int32)  # (every row is written whole)
+        # Rows as wide as the library writes them (xgrammar: the tokenizer's ids), so that the worker runs
+        # nothing but the library's fill; ``take`` widens them to the model's vocabulary as it copies.
+        words = {getattr(m, "words", None) for m in live}
+        width = words.pop() if len(words) == 1 and None not in words else self.width
+        bitmask = torch.empty((len(live), min(width, self.width)), dtype=torch.int32)  # (every row written whole)
         self._job = self._pool.submit(_fill, [(m, i) for i, m in enumerate(live)], bitmask)
+        # The worker needs the GIL to start the fill (whose native part then runs without it): hand it
+        # over now, or it waits until this thread next blocks, which is the sampler's wait for this fill
+        # (measured: a fill started ahead of 3 ms of the engine's host work was not begun by then).
+        time.sleep(0)
 
     def wait(self) -> None:
         """Wait for the fill in flight (before a matcher may advance). A fill that failed leaves
@@ -74,7 +85,7 @@ class MaskAhead:
         self.wait()
         ready, known = self._ready, self._rows
         self._ready, self._rows, self._matchers = None, {}, []
-        if ready is None or ready.shape[1] != bitmask.shape[1]:
+        if ready is None or ready.shape[1] > bitmask.shape[1]:
             return rows
         missing, dst, src = [], [], []
         for matcher, row in rows:
@@ -85,7 +96,9 @@ class MaskAhead:
             else:
                 missing.append((matcher, row))
         if dst:
-            bitmask[row_index(dst)] = ready[row_index(src)]
+            index, w = row_index(dst), ready.shape[1]
+            bitmask[index, :w] = ready[row_index(src)]
+            bitmask[index, w:] = 0  # the model's ids past the tokenizer's are never allowed
             self.rows_used += len(dst)
         return missing
 
