@@ -87,6 +87,31 @@ def test_closing_a_stream_aborts_and_a_timeout_aborts(engine):
     assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and idle(engine)
 
 
+def test_a_deadline_ends_only_the_stream_still_running_at_it(engine):
+    """One timer per request: a request that finished before its deadline is not timed out, even when
+    its outputs are read after the deadline; one still running at its deadline is aborted."""
+    async def scenario(ae):
+        warm = await ae.add_request([3, 4], SamplingParams(temperature=0, max_tokens=2))
+        [o async for o in warm]  # (the engine's first step is slow: compiled ops, caches)
+        short = await ae.add_request([3, 4], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                                     timeout=0.5)
+        while ae.num_unfinished():  # finished in the engine, nothing read yet
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.6)  # past its deadline
+        outs = [o async for o in short]
+        await asyncio.sleep(0.01)  # (a timer left running would have fired by now)
+        running = await ae.add_request([3, 5], LONG, timeout=0.05)
+        with pytest.raises(RequestTimeoutError):
+            async for _ in running:
+                pass
+        await asyncio.sleep(0.05)  # (the abort reaches the engine thread)
+        return outs, short.queue.empty(), ae.num_unfinished()
+
+    outs, nothing_left, unfinished = run(engine, scenario)
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+    assert nothing_left and unfinished == 0
+
+
 def test_queue_limit(engine):
     async def scenario(ae):
         streams = [await ae.add_request([3, i + 4], LONG) for i in range(3)]  # 2 running (max_num_seqs), 1 waiting
