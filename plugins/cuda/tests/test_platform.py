@@ -35,6 +35,20 @@ def test_step_token_budget_follows_device_memory(monkeypatch, gib, expected):
     assert get_registry().platforms.get("cuda").default_max_num_batched_tokens() == expected
 
 
+@pytest.mark.parametrize("omp", ["", "3"])
+def test_taking_a_gpu_leaves_torch_one_cpu_thread_unless_omp_num_threads_is_set(monkeypatch, omp):
+    """torch's idle OpenMP threads spin on the cores the grammar masks' fill needs (docs/cuda.md)."""
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        get_registry().platforms.get("cuda").set_device(0)
+        assert torch.get_num_threads() == (1 if not omp else 2)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_requesting_cuda_without_gpu_names_the_reason():
     platform = get_registry().platforms.get("cuda")
