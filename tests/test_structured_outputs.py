@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 import torch
 from pagoda.errors import RequestError
-from pagoda.structured_outputs.backends import apply_bitmask, fill_bitmasks
+from pagoda.structured_outputs.backends import GrammarMatcher, apply_bitmask, fill_bitmasks
 from pagoda.structured_outputs.manager import StructuredOutputManager
 from pagoda.structured_outputs.params import StructuredOutputsParams
 from pagoda.testing.reference import save_byte_tokenizer
@@ -278,12 +278,11 @@ def test_a_stale_or_failed_fill_ahead_is_filled_in_the_step(tokenizer):
     ahead.width = words
     ahead.start([running(first), running(second)])
     first.accept(tokenizer.convert_tokens_to_ids("a"))  # (the engine waits first; here: made stale on purpose)
-    bitmask = torch.zeros(2, words, dtype=torch.int32)
-    missing = ahead.take(bitmask, [(first, 0), (second, 1)])
-    assert missing == [(first, 0)]
-    want = torch.zeros(1, words, dtype=torch.int32)
+    ready = ahead.take([first, second], words)
+    assert ready.where == [-1, 1] and ready.none_left == [False, False]
+    want = torch.zeros(1, second.words, dtype=torch.int32)  # (the library's width: the tokenizer's ids)
     second.fill_bitmask(want, 0)
-    assert torch.equal(bitmask[1], want[0])
+    assert torch.equal(ready.bitmask[1], want[0])
 
     class Broken:
         terminated, accepted = False, 0
@@ -292,28 +291,49 @@ def test_a_stale_or_failed_fill_ahead_is_filled_in_the_step(tokenizer):
             raise RuntimeError("no")
 
     ahead.start([running(Broken())])
-    assert ahead.take(torch.zeros(1, words, dtype=torch.int32), [(second, 0)]) == [(second, 0)]
+    assert ahead.take([second], words) is None
     ahead.close()
 
 
-def test_a_fill_ahead_over_the_tokenizers_ids_widens_to_the_models_vocabulary(tokenizer):
-    """The worker fills rows as wide as the library writes them (the tokenizer's ids); ``take`` copies
-    them into the model's wider mask with the padded ids forbidden, as a fill in the step does."""
+@pytest.mark.parametrize("ahead_used", [True, False])
+def test_masks_over_the_tokenizers_ids_forbid_the_padded_vocabulary(tokenizer, ahead_used):
+    """Rows are filled as wide as the library writes them (the tokenizer's ids), ahead or in the step,
+    and applied to the model's wider logits with the padded ids forbidden; rows in another order than
+    the fill's, a token allowed besides the grammar (the reasoning's opening) and a row whose grammar
+    allows nothing (reported, not read from the device) come out as a row-by-row application does."""
     from types import SimpleNamespace
 
     from pagoda.structured_outputs.mask_ahead import MaskAhead
+    from pagoda.structured_outputs.masking import apply_grammar_masks
 
     manager = StructuredOutputManager("xgrammar", tokenizer, VOCAB, [tokenizer.eos_token_id])
-    matcher = manager.compile(StructuredOutputsParams(regex="(ab|cd)+!")).matcher()
+    regex = manager.compile(StructuredOutputsParams(regex="(ab|cd)+!"))
+    first, second = regex.matcher(), regex.matcher()
+
+    class Nothing(GrammarMatcher):  # a grammar that allows no token at all
+        words = first.words
+
+        def fill_bitmask(self, bitmask, row):
+            bitmask[row] = 0
+
+    done = Nothing(set())
+    assert first.accept(tokenizer.convert_tokens_to_ids("a"))
+    model_words = first.words + 5  # the model's vocabulary pads 160 ids past the tokenizer's
     ahead = MaskAhead()
-    ahead.width = matcher.words + 5  # the model's vocabulary pads 160 ids past the tokenizer's
-    ahead.start([SimpleNamespace(grammar=matcher, is_finished=False, request_id="r")])
-    bitmask = torch.full((2, ahead.width), -1, dtype=torch.int32)
-    assert ahead.take(bitmask, [(matcher, 1)]) == [] and ahead.rows_used == 1
-    want = torch.full((1, ahead.width), -1, dtype=torch.int32)
-    matcher.fill_bitmask(want, 0)  # (the step's own fill of a padded row)
-    assert torch.equal(bitmask[1], want[0]) and not bitmask[1, matcher.words:].any()
-    assert (bitmask[0] == -1).all()  # other rows untouched
+    ahead.width = model_words
+    if ahead_used:  # filled in the order second, first, done; the step's rows are 3, 0 and 1
+        ahead.start([SimpleNamespace(grammar=m, is_finished=False, request_id="r") for m in (second, first, done)])
+    opening = 7
+    logits = torch.zeros(4, 32 * model_words)
+    failed = {}
+    blocked = apply_grammar_masks(logits, [(3, first, None), (0, second, opening), (1, done, None)], ahead, failed)
+    assert blocked == [1] and not failed and ahead.rows_used == (3 if ahead_used else 0)
+    for row, matcher, extra in ((3, first, None), (0, second, opening)):
+        want = torch.zeros(1, first.words, dtype=torch.int32)
+        matcher.fill_bitmask(want, 0)
+        allowed = {t for t in range(32 * first.words) if int(want[0, t // 32]) >> (t % 32) & 1} | {extra} - {None}
+        assert {int(t) for t in torch.nonzero(logits[row] == 0).flatten()} == allowed
+    assert bool((logits[2] == 0).all())  # a row without a grammar is untouched
     ahead.close()
 
 

@@ -112,7 +112,8 @@ class LLMEngine:
         self.controls = RequestControls(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids, config)
         sampler = self.runner.sampler
         sampler.stop_token_ids, sampler.processors = self.eos_token_ids, self.controls.processors
-        self.mask_ahead = sampler.mask_ahead = MaskAhead()  # grammar masks filled during the host work
+        # grammar masks filled during the host work, into host buffers the device copies from without waiting
+        self.mask_ahead = sampler.mask_ahead = MaskAhead(self.platform.host_buffer)
         self.requests: dict[str, Request] = {}
         self._counter = itertools.count()
         self.mm_processor = self._multimodal_processor()  # None: a model that takes no images

@@ -40,8 +40,8 @@ class SampleResult:
 @dataclass
 class MaskCost:
     """Grammar-mask work on the step's path: steps that had constrained rows, the rows, and the host
-    seconds the sampling waited for their bitmasks (filling them, or the rest of a fill started ahead
-    by ``pagoda.structured_outputs.mask_ahead``)."""
+    seconds their masks took there (filling them, or waiting for the rest of a fill started ahead by
+    ``pagoda.structured_outputs.mask_ahead``; uploading them and launching the kernel that applies them)."""
 
     steps: int = 0
     rows: int = 0
@@ -183,32 +183,17 @@ class Sampler:
             except Exception as exc:
                 failed[j] = exc
         if grammar:
-            from pagoda.structured_outputs.backends import apply_bitmask, fill_bitmasks, row_index
+            from pagoda.structured_outputs.masking import apply_grammar_masks
 
             t0 = time.perf_counter()
-            # every grammar row is written whole below (or its request fails); the others allow every token
-            bitmask = torch.empty((len(rows), (work.shape[-1] + 31) // 32), dtype=torch.int32)
-            if len(grammar) < len(rows):
-                bitmask[row_index([j for j, s in enumerate(rows) if s.grammar is None])] = -1
-            todo = [(rows[j].grammar, j) for j in grammar]
-            if self.mask_ahead is not None:  # rows filled while the engine did its host work
-                todo = self.mask_ahead.take(bitmask, todo)
-            try:  # all rows at once, on the grammar libraries' threads
-                fill_bitmasks(todo, bitmask)
-            except Exception:  # row by row, to pin the failure on its request
-                for matcher, j in todo:
-                    try:
-                        matcher.fill_bitmask(bitmask, j)
-                    except Exception as exc:
-                        failed[j] = exc
-            for j in grammar:
-                if rows[j].grammar_opening is not None and j not in failed:  # the token opening the reasoning
-                    token = rows[j].grammar_opening[0]
-                    bitmask[j, token // 32] |= _bit(token % 32)
-            self.mask.add(len(grammar), time.perf_counter() - t0)  # host time, before the device applies it
-            apply_bitmask(work, bitmask)
-            index = _on(work.device, grammar)
-            blocked.append((grammar, torch.isneginf(work.index_select(0, index)).all(dim=1)))
+            masked = [(j, rows[j].grammar, rows[j].grammar_opening and rows[j].grammar_opening[0]) for j in grammar]
+            none_left = apply_grammar_masks(work, masked, self.mask_ahead, failed)
+            self.mask.add(len(grammar), time.perf_counter() - t0)  # host time, the upload and kernel launched
+            fail_blocked(none_left, [True] * len(none_left), failed)
+            # a row's own processing may forbid what its grammar allows: those rows are checked on the device
+            checked = [j for j in grammar if rows[j].params.needs_processing and j not in failed]
+            if checked:
+                blocked.append((checked, torch.isneginf(work.index_select(0, _on(work.device, checked))).all(dim=1)))
         return work
 
     def _pick(self, work: torch.Tensor, rows: list[Sequence], failed: dict, blocked: list,
@@ -330,9 +315,4 @@ def _on(device, values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """A short host list on the device through pinned memory: the copy queues behind the device's work
     instead of waiting for it (a step launched ahead may still be running; ``pagoda.kernels.host_upload``)."""
     return upload(np.asarray(values), device, dtype)
-
-
-def _bit(i: int) -> int:
-    """Bit i of an int32 word, as a signed value (bit 31 is the sign)."""
-    return (1 << i) - (1 << 32 if i == 31 else 0)
 

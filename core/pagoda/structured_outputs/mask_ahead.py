@@ -7,33 +7,52 @@ hands them to the server, schedules the next step and launches its forward: xgra
 and llguidance's parallel fill run natively without the GIL, so the two overlap for real once the
 worker has started, which needs the GIL: ``start`` hands it over at once (without that, the worker
 began only when the engine thread next blocked, i.e. at the sampler's wait; scripts/mask_ahead_bench.py
-measures it). The sampler of the next step takes the rows that are still valid (the same matcher, no token accepted
-since) and fills only the others itself, as before.
+measures it).
 
-    ahead = MaskAhead()
-    ahead.start(sequences, broken)      # after a step: their grammars just advanced
-    missing = ahead.take(bitmask, rows) # in the sampler: rows filled ahead are copied in
-    ahead.wait()                        # before any matcher advances again
+The worker writes straight into a host buffer the device copies from without waiting (page-locked on a
+GPU: ``Platform.host_buffer``), rows as wide as the library writes them (xgrammar: the tokenizer's ids,
+often a third of the model's vocabulary), and notes the rows that allow no token at all. The sampler
+takes the buffer as it is (``take``: which of its rows are still valid, i.e. the same matcher with no
+token accepted since) and uploads it in one copy; it fills only the other rows itself. Two buffers
+take turns, so a fill never writes into rows a copy of the step before may still be reading.
+
+    ahead = MaskAhead(host_buffer)
+    ahead.start(sequences, broken)            # after a step: their grammars just advanced
+    ready = ahead.take(rows)                  # in the sampler: the filled rows, where each of ``rows`` is
+    ahead.wait()                              # before any matcher advances again
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 
-from pagoda.structured_outputs.backends import GrammarMatcher, fill_bitmasks, row_index
+from pagoda.structured_outputs.backends import GrammarMatcher, fill_bitmasks
 
 logger = logging.getLogger("pagoda")
 
 
+class ReadyMasks(NamedTuple):
+    """Rows filled ahead, as the sampler takes them."""
+
+    bitmask: torch.Tensor  # int32 [F, w]: the fill's rows (in the host buffer; valid until the next start)
+    where: list[int]  # for each row asked for: its row in ``bitmask``, or -1 (to fill in the step)
+    none_left: list[bool]  # per row of ``bitmask``: the grammar allows no token at all
+
+
 class MaskAhead:
-    def __init__(self):
+    def __init__(self, host_buffer: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None):
+        self._host_buffer = host_buffer or (lambda shape, dtype: torch.zeros(shape, dtype=dtype))
+        self._buffers: list[torch.Tensor | None] = [None, None]  # taking turns (see the module docstring)
+        self._turn = 0
         self._pool: ThreadPoolExecutor | None = None  # started with the first constrained step
         self._job: Future | None = None
-        self._ready: torch.Tensor | None = None  # the finished job's mask
+        self._ready: tuple[torch.Tensor, list[bool]] | None = None  # the finished job's rows and empty flags
         self._rows: dict[int, tuple[int, int]] = {}  # id(matcher) -> (row in the job's mask, tokens accepted)
         self._matchers: list[GrammarMatcher] = []  # kept alive while their ids are keys above
         self.width: int | None = None  # words per mask row (the model's vocabulary / 32), from the sampler
@@ -55,16 +74,23 @@ class MaskAhead:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar-mask")
         self._rows = {id(m): (i, m.accepted) for i, m in enumerate(live)}
         self._matchers = live
-        # Rows as wide as the library writes them (xgrammar: the tokenizer's ids), so that the worker runs
-        # nothing but the library's fill; ``take`` widens them to the model's vocabulary as it copies.
+        # Rows as wide as the library writes them, so that the worker runs nothing but the library's fill.
         words = {getattr(m, "words", None) for m in live}
-        width = words.pop() if len(words) == 1 and None not in words else self.width
-        bitmask = torch.empty((len(live), min(width, self.width)), dtype=torch.int32)  # (every row written whole)
+        width = min(words.pop() if len(words) == 1 and None not in words else self.width, self.width)
+        bitmask = self._buffer(len(live), width)  # (every row written whole)
         self._job = self._pool.submit(_fill, [(m, i) for i, m in enumerate(live)], bitmask)
         # The worker needs the GIL to start the fill (whose native part then runs without it): hand it
         # over now, or it waits until this thread next blocks, which is the sampler's wait for this fill
         # (measured: a fill started ahead of 3 ms of the engine's host work was not begun by then).
         time.sleep(0)
+
+    def _buffer(self, rows: int, width: int) -> torch.Tensor:
+        """The next host buffer's first ``rows`` rows of ``width`` words (contiguous), grown as needed."""
+        self._turn ^= 1
+        buf = self._buffers[self._turn]
+        if buf is None or buf.shape[0] < rows or buf.shape[1] != width:
+            buf = self._buffers[self._turn] = self._host_buffer((max(rows, 64), width), torch.int32)
+        return buf[:rows]
 
     def wait(self) -> None:
         """Wait for the fill in flight (before a matcher may advance). A fill that failed leaves
@@ -78,29 +104,25 @@ class MaskAhead:
             logger.debug("grammar masks filled ahead failed (%s); the step fills them", exc)
             self._ready, self._rows, self._matchers = None, {}, []
 
-    def take(self, bitmask: torch.Tensor, rows: list[tuple[GrammarMatcher, int]]) -> list[tuple[GrammarMatcher, int]]:
-        """Copy the rows filled ahead into ``bitmask`` (int32 [n, words]); return the (matcher, row)
-        pairs still to fill. A row counts only if its matcher accepted no token since."""
-        self.width = bitmask.shape[1]
+    def take(self, rows: list[GrammarMatcher], width: int) -> ReadyMasks | None:
+        """The rows filled ahead for the matchers ``rows`` (in the sampler's order) of a mask ``width``
+        words wide (the model's vocabulary); None when there are none. A row counts only if its matcher
+        accepted no token since the fill started."""
+        self.width = width
         self.wait()
         ready, known = self._ready, self._rows
         self._ready, self._rows, self._matchers = None, {}, []
-        if ready is None or ready.shape[1] > bitmask.shape[1]:
-            return rows
-        missing, dst, src = [], [], []
-        for matcher, row in rows:
+        if ready is None or ready[0].shape[1] > width:
+            return None
+        where = []
+        for matcher in rows:
             entry = known.get(id(matcher))
-            if entry is not None and entry[1] == matcher.accepted:
-                dst.append(row)
-                src.append(entry[0])
-            else:
-                missing.append((matcher, row))
-        if dst:
-            index, w = row_index(dst), ready.shape[1]
-            bitmask[index, :w] = ready[row_index(src)]
-            bitmask[index, w:] = 0  # the model's ids past the tokenizer's are never allowed
-            self.rows_used += len(dst)
-        return missing
+            where.append(entry[0] if entry is not None and entry[1] == matcher.accepted else -1)
+        used = sum(1 for w in where if w >= 0)
+        if not used:
+            return None
+        self.rows_used += used
+        return ReadyMasks(ready[0], where, ready[1])
 
     def close(self) -> None:
         self.wait()
@@ -109,6 +131,12 @@ class MaskAhead:
             self._pool = None
 
 
-def _fill(pairs: list[tuple[GrammarMatcher, int]], bitmask: torch.Tensor) -> torch.Tensor:
+def _fill(pairs: list[tuple[GrammarMatcher, int]], bitmask: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
     fill_bitmasks(pairs, bitmask)
-    return bitmask
+    return bitmask, none_left(bitmask)
+
+
+def none_left(bitmask: torch.Tensor) -> list[bool]:
+    """Per row of ``bitmask``: no bit set (the grammar allows no token). (numpy: a tenth of torch's time
+    for 64 rows, which matters as the worker runs it only once it has the GIL back)"""
+    return (~bitmask.numpy().any(axis=1)).tolist()

@@ -1,0 +1,95 @@
+"""A step's grammar masks on its logits: rows filled ahead (``mask_ahead``) or now, one upload, one kernel.
+
+The sampler hands over its constrained rows; each row's mask comes from the fill started ahead when
+that is still valid, else it is filled here (a request's first constrained step, a stale or failed fill
+ahead). The rows go to the device as they lie in the host buffer, narrower than the logits when the
+library writes only the tokenizer's ids (xgrammar): the logits past them, ids a model pads its
+vocabulary with, are set to -inf apart. xgrammar's kernel applies the masks in place (its CUDA/Triton
+path, or its CPU path), for both backends' masks (the same int32 bit layout).
+
+A row whose mask allows no token at all is known on the host, from the mask itself: its request fails
+(``fail_blocked`` in the sampler) without a read from the device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagoda.kernels.host_upload import upload
+from pagoda.structured_outputs import backends
+from pagoda.structured_outputs.backends import GrammarMatcher
+from pagoda.structured_outputs.mask_ahead import MaskAhead, none_left
+
+
+def apply_grammar_masks(logits: torch.Tensor, rows: list[tuple[int, GrammarMatcher, int | None]],
+                        ahead: MaskAhead | None, failed: dict) -> list[int]:
+    """Mask ``logits`` [R, V] in place for ``rows``: (row, its matcher, a token to allow besides the
+    grammar's or None). Rows whose mask could not be filled join ``failed`` (row -> exception); returns
+    the rows whose grammar allows no token."""
+    width = (logits.shape[-1] + 31) // 32
+    ready = ahead.take([m for _, m, _ in rows], width) if ahead is not None else None
+    where = ready.where if ready is not None else [-1] * len(rows)
+    todo = [k for k, w in enumerate(where) if w < 0]
+    words = ready.bitmask.shape[1] if ready is not None else _words(rows[todo[0]][1], width)
+    extra = None
+    if todo:
+        extra = torch.empty((len(todo), words), dtype=torch.int32)
+        pairs = [(rows[k][1], i) for i, k in enumerate(todo)]
+        try:  # all rows at once, on the grammar libraries' threads
+            backends.fill_bitmasks(pairs, extra)
+        except Exception:  # row by row, to pin the failure on its request
+            for matcher, i in pairs:
+                try:
+                    matcher.fill_bitmask(extra, i)
+                except Exception as exc:
+                    failed[rows[todo[i]][0]] = exc
+                    extra[i] = -1  # (its token is never used)
+    # each row's place in the host rows uploaded below: the fill ahead's, then this step's
+    first = ready.bitmask.shape[0] if ready is not None else 0
+    source = list(where)
+    for i, k in enumerate(todo):
+        source[k] = first + i
+    host = ready.bitmask if ready is not None else None
+    empty = list(ready.none_left) if ready is not None else []
+    if extra is not None:
+        empty += none_left(extra)
+        host = extra if host is None else torch.cat([host, extra])
+    blocked = []
+    for (row, _, opening), src in zip(rows, source):
+        if opening is not None:  # e.g. the token opening the reasoning: allowed as well
+            host[src, opening // 32] |= _bit(opening % 32)
+        elif empty[src] and row not in failed:
+            blocked.append(row)
+    # the buffer filled ahead is page-locked already (copied as it is); rows filled here go through upload
+    device = host.to(logits.device, non_blocking=True) if extra is None else upload(host.numpy(), logits.device)
+    targets = [row for row, _, _ in rows]
+    if source != targets:  # rows in another order than the logits': place them
+        placed = torch.empty((logits.shape[0], words), dtype=torch.int32, device=logits.device)
+        placed[_on(logits.device, targets)] = device[_on(logits.device, source)]
+        device = placed
+    import xgrammar as xgr
+
+    everything = targets == list(range(logits.shape[0]))
+    index = None if everything else _on(logits.device, targets)
+    xgr.apply_token_bitmask_inplace(logits, device, vocab_size=min(logits.shape[-1], 32 * words), indices=index)
+    if 32 * words < logits.shape[-1]:  # ids past the tokenizer's: never allowed
+        if everything:
+            logits[:, 32 * words:] = float("-inf")
+        else:
+            logits[index, 32 * words:] = float("-inf")
+    return blocked
+
+
+def _words(matcher: GrammarMatcher, width: int) -> int:
+    """Words per row the matcher's library writes (xgrammar: the tokenizer's ids), at most ``width``."""
+    return min(getattr(matcher, "words", None) or width, width)
+
+
+def _on(device, values: list) -> torch.Tensor:
+    return upload(np.asarray(values, dtype=np.int64), device)
+
+
+def _bit(i: int) -> int:
+    """Bit i of an int32 word, as a signed value (bit 31 is the sign)."""
+    return (1 << i) - (1 << 32 if i == 31 else 0)
