@@ -1,0 +1,70 @@
+"""Where an engine step's host time goes: wall time per step spent in the engine's main functions (each
+call timed with perf_counter, nested ones counted in their callers too), over `pagoda bench throughput`
+with the structured-output benchmark's requests (256 prompts x 64 in x 256 out, 64 at once). The timers
+themselves slow the engine (the rate printed is below the untimed one): compare parts, not rates.
+
+    python scripts/step_breakdown.py MODEL_DIR [json|regex|choice|none] [dummy]
+
+(`dummy`: --load-format dummy, as the GPU scripts' shapes have no weights; scripts/structured_model.py
+writes the qwen3-0.6b shape with SmolLM2's tokenizer.)
+"""
+
+import functools
+import sys
+import time
+from collections import defaultdict
+
+from pagoda.cli.main import main as pagoda_main
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.engine.model_runner import ModelRunner
+from pagoda.engine.pipeline import StepPipeline
+from pagoda.engine.request_controls import RequestControls
+from pagoda.engine.sampler import Sampler
+from pagoda.engine.scheduler import Scheduler
+from pagoda.structured_outputs import masking
+from pagoda.structured_outputs.mask_ahead import MaskAhead
+
+TIMED = {Sampler: ["select_on_device", "_special", "_processed", "_noise"],
+         StepPipeline: ["step", "_launcher", "_feed"],
+         ModelRunner: ["launch_logits", "launch", "sample_launched", "collect_decode", "_pending_tokens"],
+         LLMEngine: ["_complete_step", "_detokenize", "_mark_scheduled"],
+         MaskAhead: ["start", "take", "wait"],
+         Scheduler: ["schedule", "advance", "commit"],
+         RequestControls: ["advance"]}
+seconds: dict[str, float] = defaultdict(float)
+calls: dict[str, int] = defaultdict(int)
+
+
+def timed(fn, label: str):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            seconds[label] += time.perf_counter() - t
+            calls[label] += 1
+    return wrapper
+
+
+def main() -> None:
+    for cls, names in TIMED.items():
+        for name in names:
+            raw = cls.__dict__[name]
+            fn = timed(raw.__func__ if isinstance(raw, staticmethod) else raw, f"{cls.__name__}.{name}")
+            setattr(cls, name, staticmethod(fn) if isinstance(raw, staticmethod) else fn)
+    masking.apply_grammar_masks = timed(masking.apply_grammar_masks, "apply_grammar_masks")
+    model = sys.argv[1]
+    kind = sys.argv[2] if len(sys.argv) > 2 else "json"
+    pagoda_main(["bench", "throughput", "--model", model, "--num-prompts", "256", "--input-len", "64",
+                 "--output-len", "256", "--ignore-eos", "--repeats", "1", "--max-num-seqs", "64"]
+                + (["--load-format", "dummy"] if "dummy" in sys.argv[3:] else [])
+                + (["--structured-outputs", kind] if kind != "none" else []))
+    steps = calls["StepPipeline.step"] or calls["LLMEngine._complete_step"] or 1
+    print(f"--- {kind}: host time per engine step ({steps} steps), ms (calls per step)")
+    for label in sorted(seconds, key=lambda k: -seconds[k]):
+        print(f"{label:36s} {1e3 * seconds[label] / steps:8.3f}  ({calls[label] / steps:.2f})")
+
+
+if __name__ == "__main__":
+    main()
