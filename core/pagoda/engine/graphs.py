@@ -148,6 +148,12 @@ class DecodeGraphs:
         """Replay the bucket's graph for a decode batch; returns logits [n, vocab] (static
         buffer, valid until the next replay). ``patch`` (rows, ids) on the device replaces the
         input ids of those rows (tokens a step launched before is still computing)."""
+        return self.replay(self.stage(out), patch)
+
+    def stage(self, out: SchedulerOutput) -> tuple[int, int]:
+        """The host half of ``run``: the batch's inputs written and their uploads queued (behind the
+        work already on the stream, which includes the replay that reads the previous ones).
+        Returns (rows, bucket) for ``replay``; no other replay may come between."""
         n = len(out.scheduled)
         bucket = next(s for s in self.buckets if s >= n)
         if self.copied is not None:  # the previous step's uploads must have left the host buffers
@@ -158,9 +164,14 @@ class DecodeGraphs:
         self.dev_tables[:, :rows].copy_(self.host_tables[:, :rows], non_blocking=True)
         if self.tile_width:
             self.dev_tiles.copy_(self.host_tiles, non_blocking=True)
+        self.copied = self.runner.platform.record_event()
+        return n, bucket
+
+    def replay(self, staged: tuple[int, int], patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The device half of ``run`` for a ``stage``d batch."""
+        n, bucket = staged
         if patch is not None:
             self.dev64[0].index_copy_(0, patch[0], patch[1])
-        self.copied = self.runner.platform.record_event()
         graph = self.graphs[bucket]
         graph.replay()
         if self.contexts[bucket].expert_counts:

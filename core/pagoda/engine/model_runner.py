@@ -270,21 +270,21 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ pipelined steps
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput, feed=None) -> PendingDecode:
+    def launch(self, out: SchedulerOutput, feed=None, staged=None) -> PendingDecode:
         """Start a greedy step without waiting for it (``pagoda.engine.pipeline``): graphs for a
         decode batch they hold, else eagerly. The tokens of the sampling rows stay on the
         device and are copied to the host in the background. ``feed`` (``pagoda.engine.pipeline.
         StepFeed``): the input ids of decode ``feed.rows`` are ``feed.tokens[feed.indices]`` (a
-        previous step's tokens, not yet on the host)."""
-        logits, seqs = self._launch_forward(out, feed)
+        previous step's tokens, not yet on the host). ``staged``: ``stage_launch(out)``'s, if done already."""
+        logits, seqs = self._launch_forward(out, feed, staged)
         return self._pending_tokens(logits[:len(seqs)].argmax(dim=-1), len(seqs))
 
     @torch.inference_mode()
-    def launch_logits(self, out: SchedulerOutput, feed=None) -> PendingLogits:
+    def launch_logits(self, out: SchedulerOutput, feed=None, staged=None) -> PendingLogits:
         """Start a step as ``launch`` does, leaving the choice of its tokens to ``sample_launched``
         (rows that sample on the device: random, or constrained by a grammar whose mask needs the
         previous step's tokens)."""
-        logits, seqs = self._launch_forward(out, feed)
+        logits, seqs = self._launch_forward(out, feed, staged)
         return PendingLogits(logits[:len(seqs)], seqs)
 
     @torch.inference_mode()
@@ -295,15 +295,25 @@ class ModelRunner:
         pending.grammar_rows, pending.failed = chosen.grammar_rows, chosen.failed
         return pending
 
-    def _launch_forward(self, out: SchedulerOutput, feed) -> tuple[torch.Tensor, list]:
-        """(logits whose first rows are the sampling rows', the sampling sequences) of a launched step."""
+    @torch.inference_mode()
+    def stage_launch(self, out: SchedulerOutput) -> tuple:
+        """The host work of launching ``out`` that needs no token of the step before it (its inputs built
+        and their uploads queued), done while that step's tokens are still being chosen
+        (``pagoda.engine.pipeline``); ``launch`` / ``launch_logits`` with ``staged`` then only patch the
+        fed ids and start the forward. Nothing else may launch in between."""
         if self.graphs is not None and self.graphs.can_run(out):
+            return "graph", self.graphs.stage(out)
+        return "eager", self._inputs(out)
+
+    def _launch_forward(self, out: SchedulerOutput, feed, staged=None) -> tuple[torch.Tensor, list]:
+        """(logits whose first rows are the sampling rows', the sampling sequences) of a launched step."""
+        kind, prepared = staged if staged is not None else self.stage_launch(out)
+        if kind == "graph":
             patch = None if feed is None else (feed.rows, feed.tokens.index_select(0, feed.indices))
-            return self.graphs.run(out, patch=patch), [it.seq for it in out.scheduled]
-        inputs = self._inputs(out)
+            return self.graphs.replay(prepared, patch=patch), [it.seq for it in out.scheduled]
         if feed is not None:
-            inputs.input_ids.index_copy_(0, feed.rows, feed.tokens.index_select(0, feed.indices))
-        return self._forward(inputs)[0], inputs.sample_seqs
+            prepared.input_ids.index_copy_(0, feed.rows, feed.tokens.index_select(0, feed.indices))
+        return self._forward(prepared)[0], prepared.sample_seqs
 
     def _pending_tokens(self, tokens: torch.Tensor, n: int, flags: torch.Tensor | None = None) -> PendingDecode:
         """A launched step's tokens [n] (and grammar rows' flags), copied to a page-locked host buffer in

@@ -65,11 +65,12 @@ class StepPipeline:
         self.sampled_later = 0  # launched steps whose tokens were chosen after the previous step's commit
         self.timeline = None  # a pagoda.engine.timeline.StepTimeline marking each launch (profiling)
 
-    def _launch(self, launcher, out: SchedulerOutput, feed=None):
+    def _launch(self, launcher, out: SchedulerOutput, feed=None, staged=None):
+        extra = {} if staged is None else {"staged": staged}
         if self.timeline is None:
-            return launcher(out, feed)
+            return launcher(out, feed, **extra)
         begin = self.timeline.mark()
-        pending = launcher(out, feed)
+        pending = launcher(out, feed, **extra)
         self.timeline.add(out, begin, self.timeline.mark())
         return pending
 
@@ -95,6 +96,11 @@ class StepPipeline:
     def _feed(self, nxt: SchedulerOutput, out: SchedulerOutput, tokens: torch.Tensor) -> StepFeed | None:
         """The decodes of ``nxt`` whose input is a pending token of ``out``, as rows of nxt and
         indices into out's sampled tokens (None: there are none)."""
+        index = self._feed_index(nxt, out, tokens.device)
+        return None if index is None else StepFeed(tokens, *index)
+
+    def _feed_index(self, nxt: SchedulerOutput, out: SchedulerOutput, device) -> tuple | None:
+        """``_feed``'s rows and indices (device, device, host), before out's tokens exist."""
         index = {it.seq.seq_id: i for i, it in enumerate(it for it in out.scheduled if it.sample)}
         rows, picks = [], []
         for row, it in enumerate(nxt.scheduled[:nxt.num_decodes]):
@@ -104,8 +110,20 @@ class StepPipeline:
         if not rows:
             return None
         host = np.array([rows, picks], dtype=np.int64)
-        both = upload(host, tokens.device)  # not waiting for the step in flight
-        return StepFeed(tokens, both[0], both[1], host)
+        both = upload(host, device)  # not waiting for the step in flight
+        return both[0], both[1], host
+
+    def _schedule_ahead(self, ahead_ok: bool) -> tuple[SchedulerOutput, object] | None:
+        """The next step and its launcher, when it can be launched before this one's tokens are in."""
+        sched = self.engine.scheduler
+        launcher = self._launcher() if ahead_ok and sched.has_work_ahead() else None
+        if launcher is None or not sched.fits_without_preemption():
+            return None
+        nxt = sched.schedule()
+        if nxt.is_empty:
+            return None
+        self.engine._mark_scheduled(nxt)
+        return nxt, launcher
 
     def step(self, finished_only: bool) -> list | None:
         """One engine step through the pipeline; None when the usual path should run it."""
@@ -125,18 +143,30 @@ class StepPipeline:
             eng._mark_scheduled(out)
             pending = self._sampled(self._launch(launcher, out))
             sched.advance(out)
+            nxt = self._schedule_ahead(ahead_ok)
+            staged = index = None
         else:
             (out, launched), self.pending = self.pending, None
+            nxt = staged = index = None
+            if isinstance(launched, PendingLogits) and hasattr(runner, "stage_launch"):
+                # Its tokens are chosen on the device once the grammars' masks are in, and the next step's
+                # forward can only follow them: do the next launch's host work (scheduling, inputs, uploads)
+                # first, so that the device goes from this step's choice to the next forward without
+                # waiting for the host in between.
+                nxt = self._schedule_ahead(ahead_ok)
+                if nxt is not None:
+                    staged, index = runner.stage_launch(nxt[0]), self._feed_index(nxt[0], out, runner.device)
             pending = self._sampled(launched)  # (the grammars took the previous step's tokens)
+            if nxt is None:
+                nxt = self._schedule_ahead(ahead_ok)
             t1 = t0
         ahead = None
-        launcher = self._launcher() if ahead_ok and sched.has_work_ahead() else None
-        if launcher is not None and sched.fits_without_preemption():
-            nxt = sched.schedule()
-            if not nxt.is_empty:
-                eng._mark_scheduled(nxt)
-                ahead = (nxt, self._launch(launcher, nxt, self._feed(nxt, out, pending.tokens)))
-                self.launched_ahead += 1
+        if nxt is not None:
+            nxt, launcher = nxt
+            feed = self._feed(nxt, out, pending.tokens) if staged is None else (
+                None if index is None else StepFeed(pending.tokens, *index))
+            ahead = (nxt, self._launch(launcher, nxt, feed, staged))
+            self.launched_ahead += 1
         tokens = runner.collect_decode(pending)
         outputs = eng._complete_step(out, tokens, None, finished_only, t0, t1, advanced=True, failed=pending.failed)
         if ahead is not None:
