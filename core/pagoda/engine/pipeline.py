@@ -31,7 +31,9 @@ step is launched without its tokens (``launch_logits``): its forward runs on the
 host commits step N (advancing the grammars, whose next masks are then filled on a worker thread:
 ``pagoda.structured_outputs.mask_ahead``) and hands out N's outputs; the next call chooses N+1's
 tokens (``sample_launched``: masks applied and tokens picked on the device) before it launches N+2
-fed from them. A row its grammar leaves with no token fails when its step is committed.
+fed from them. N+2 is scheduled and its launch staged (inputs built and uploaded: ``stage_launch``)
+before N+1's tokens are chosen, so that the device goes from that choice to N+2's forward without
+waiting for the host. A row its grammar leaves with no token fails when its step is committed.
 """
 
 from __future__ import annotations
