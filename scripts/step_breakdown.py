@@ -25,7 +25,7 @@ from pagoda.structured_outputs import masking
 from pagoda.structured_outputs.mask_ahead import MaskAhead
 
 TIMED = {Sampler: ["select_on_device", "_special", "_processed", "_noise"],
-         StepPipeline: ["step", "_launcher", "_feed"],
+         StepPipeline: ["step", "_launcher", "_feed_index"],
          ModelRunner: ["launch_logits", "launch", "sample_launched", "collect_decode", "_pending_tokens"],
          LLMEngine: ["_complete_step", "_detokenize", "_mark_scheduled"],
          MaskAhead: ["start", "take", "wait"],

@@ -68,12 +68,11 @@ class StepPipeline:
         self.timeline = None  # a pagoda.engine.timeline.StepTimeline marking each launch (profiling)
 
     def _launch(self, launcher, out: SchedulerOutput, feed=None, staged=None):
-        extra = {} if staged is None else {"staged": staged}
-        if self.timeline is None:
-            return launcher(out, feed, **extra)
-        begin = self.timeline.mark()
-        pending = launcher(out, feed, **extra)
-        self.timeline.add(out, begin, self.timeline.mark())
+        begin = None if self.timeline is None else self.timeline.mark()
+        # (only the single-device runner stages launches; tensor-parallel executors take no ``staged``)
+        pending = launcher(out, feed) if staged is None else launcher(out, feed, staged=staged)
+        if begin is not None:
+            self.timeline.add(out, begin, self.timeline.mark())
         return pending
 
     def _launcher(self):
@@ -95,14 +94,10 @@ class StepPipeline:
             return self.engine.runner.sample_launched(launched)
         return launched
 
-    def _feed(self, nxt: SchedulerOutput, out: SchedulerOutput, tokens: torch.Tensor) -> StepFeed | None:
-        """The decodes of ``nxt`` whose input is a pending token of ``out``, as rows of nxt and
-        indices into out's sampled tokens (None: there are none)."""
-        index = self._feed_index(nxt, out, tokens.device)
-        return None if index is None else StepFeed(tokens, *index)
-
     def _feed_index(self, nxt: SchedulerOutput, out: SchedulerOutput, device) -> tuple | None:
-        """``_feed``'s rows and indices (device, device, host), before out's tokens exist."""
+        """The decodes of ``nxt`` whose input is a pending token of ``out``, as rows of nxt and indices
+        into out's sampled tokens: (rows, indices) on ``device`` and both on the host, for a ``StepFeed``
+        (None: there are none). Needs none of out's tokens."""
         index = {it.seq.seq_id: i for i, it in enumerate(it for it in out.scheduled if it.sample)}
         rows, picks = [], []
         for row, it in enumerate(nxt.scheduled[:nxt.num_decodes]):
@@ -150,7 +145,8 @@ class StepPipeline:
         else:
             (out, launched), self.pending = self.pending, None
             nxt = staged = index = None
-            if isinstance(launched, PendingLogits) and hasattr(runner, "stage_launch"):
+            early = isinstance(launched, PendingLogits) and hasattr(runner, "stage_launch")
+            if early:
                 # Its tokens are chosen on the device once the grammars' masks are in, and the next step's
                 # forward can only follow them: do the next launch's host work (scheduling, inputs, uploads)
                 # first, so that the device goes from this step's choice to the next forward without
@@ -159,14 +155,15 @@ class StepPipeline:
                 if nxt is not None:
                     staged, index = runner.stage_launch(nxt[0]), self._feed_index(nxt[0], out, runner.device)
             pending = self._sampled(launched)  # (the grammars took the previous step's tokens)
-            if nxt is None:
+            if not early:
                 nxt = self._schedule_ahead(ahead_ok)
             t1 = t0
         ahead = None
         if nxt is not None:
             nxt, launcher = nxt
-            feed = self._feed(nxt, out, pending.tokens) if staged is None else (
-                None if index is None else StepFeed(pending.tokens, *index))
+            if staged is None:
+                index = self._feed_index(nxt, out, pending.tokens.device)
+            feed = None if index is None else StepFeed(pending.tokens, *index)
             ahead = (nxt, self._launch(launcher, nxt, feed, staged))
             self.launched_ahead += 1
         tokens = runner.collect_decode(pending)

@@ -7,6 +7,7 @@ machine without CUDA gets a reason instead of an import error.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -74,8 +75,6 @@ class CudaPlatform(Platform):
         engine's host tensors are small, and torch's idle OpenMP threads spin on the cores the grammar
         library's mask fill and the server need (64 xgrammar masks took 4.5 ms with torch's 16 threads
         against 0.8 ms with one, on the H200 machine's 16 cores: docs/benchmarks.md). vLLM does the same."""
-        import os
-
         import torch
 
         torch.cuda.set_device(index)
