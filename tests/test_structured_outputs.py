@@ -337,6 +337,17 @@ def test_masks_over_the_tokenizers_ids_forbid_the_padded_vocabulary(tokenizer, a
     ahead.close()
 
 
+def test_the_mask_kernel_gets_a_row_count_padded_to_sixteen():
+    """xgrammar's CUDA kernel (Triton) compiles a variant per kind of row count: the rows it is given are
+    always a multiple of 16, the padding a repeat of a row already masked (masking it twice is a no-op)."""
+    from pagoda.structured_outputs.masking import KERNEL_ROWS, _kernel_rows
+
+    for targets in ([5], [3, 0, 1], list(range(16)), list(range(17)), list(range(40, 0, -1))):
+        rows = _kernel_rows(targets)
+        assert len(rows) % KERNEL_ROWS == 0 and len(rows) - len(targets) < KERNEL_ROWS
+        assert rows[:len(targets)] == targets and set(rows) == set(targets)
+
+
 def test_a_grammar_left_with_no_token_fails_only_its_request(llm, tokenizer):
     """A grammar whose every token the request's own constraints forbid (allowed_token_ids) fails
     that request, read in the same transfer as the batch's tokens; the others finish normally."""

@@ -70,15 +70,25 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[tuple[int, GrammarMatch
         device = placed
     import xgrammar as xgr
 
-    everything = targets == list(range(logits.shape[0]))
-    index = None if everything else _on(logits.device, targets)
+    index = _on(logits.device, _kernel_rows(targets), np.int32)
     xgr.apply_token_bitmask_inplace(logits, device, vocab_size=min(logits.shape[-1], 32 * words), indices=index)
     if 32 * words < logits.shape[-1]:  # ids past the tokenizer's: never allowed
-        if everything:
-            logits[:, 32 * words:] = float("-inf")
-        else:
-            logits[index, 32 * words:] = float("-inf")
+        logits[index, 32 * words:] = float("-inf")
     return blocked
+
+
+KERNEL_ROWS = 16  # the mask kernel's row count is padded to a multiple of this (see _kernel_rows)
+
+
+def _kernel_rows(targets: list[int]) -> list[int]:
+    """The logits rows the mask kernel is given: ``targets`` with the last one repeated up to a multiple of
+    ``KERNEL_ROWS`` (masking a row twice with its own mask changes nothing). xgrammar's CUDA kernel is Triton,
+    which compiles a variant per kind of row count (1, a multiple of 16, any other; with and without an index):
+    given any count, a server compiled up to six of them while serving, each stalling every stream for a
+    fraction of a second. Always an index, always a multiple of 16: one variant, compiled at the first
+    constrained step."""
+    pad = -len(targets) % KERNEL_ROWS
+    return targets + targets[-1:] * pad
 
 
 def _words(matcher: GrammarMatcher, width: int) -> int:
@@ -86,8 +96,8 @@ def _words(matcher: GrammarMatcher, width: int) -> int:
     return min(getattr(matcher, "words", None) or width, width)
 
 
-def _on(device, values: list) -> torch.Tensor:
-    return upload(np.asarray(values, dtype=np.int64), device)
+def _on(device, values: list, dtype=np.int64) -> torch.Tensor:
+    return upload(np.asarray(values, dtype=dtype), device)
 
 
 def _bit(i: int) -> int:
