@@ -138,6 +138,10 @@ class DataParallelEngine:
         self.controls = RequestControls(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids, config)
         self.scheduler = _SchedulerView(size * config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = None
+        self.pooling = None  # (the server refuses runner: pooling with this front: pagoda.server.runner)
+        self.mm_processor = None
+        self.images_refused = ("images are not served with data_parallel_size > 1 or server.engine_process yet: "
+                               "serve a vision model from one engine in the server's process")
         self._step_timeout = 60.0 if finished_only else STREAM_WAIT_S
 
     # ------------------------------------------------------------------ start-up
@@ -304,6 +308,9 @@ class DataParallelEngine:
         for replica in self.replicas:
             self._send(replica, ("mode", not streaming))
         self._step_timeout = STREAM_WAIT_S if streaming else 60.0
+
+    def process_multimodal(self, prompt_token_ids, images, prompt_field: str = "messages"):
+        raise RequestError(self.images_refused, field=prompt_field)
 
     def validate_params(self, params: SamplingParams) -> None:
         params.validate(self.config.max_logprobs, vocab_size=self.hf_config.vocab_size, max_n=self.config.max_n)

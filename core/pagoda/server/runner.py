@@ -72,15 +72,30 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig):
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.server.app import create_app
 
-    if engine_config.data_parallel_size > 1:  # replicas behind this front (pagoda.distributed.data_parallel)
+    if engine_config.data_parallel_size > 1 or server_config.engine_process:
+        # replicas in their own processes behind this front (pagoda.distributed.data_parallel); engine_process:
+        # one replica, so that the HTTP server and the engine do not share a GIL
         from pagoda.distributed.data_parallel import DataParallelEngine
 
+        check_front_supports(engine_config, server_config)
         engine = DataParallelEngine(engine_config, finished_only=False)
     else:
         engine = LLMEngine(engine_config)
     engine.controls.structured_outputs.warm_up()
     async_engine = AsyncEngine(engine, max_queued_requests=server_config.max_queued_requests)
     return create_app(async_engine, server_config)
+
+
+def check_front_supports(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    """What the front of engines in other processes does not serve yet, refused before the model loads."""
+    why = "server.engine_process" if engine_config.data_parallel_size == 1 else \
+        f"data_parallel_size={engine_config.data_parallel_size}"
+    if engine_config.enable_lora or server_config.lora_modules:
+        raise ConfigError(f"LoRA adapters (enable_lora, lora_modules) are not served with {why} yet: serve them "
+                          f"from one engine in the server's process")
+    if engine_config.runner == "pooling":
+        raise ConfigError(f"runner: pooling is not served with {why} yet: serve it from one engine in the "
+                          f"server's process")
 
 
 def _uvicorn_server(app, config: ServerConfig, port: int | None = None) -> _Server:

@@ -1,0 +1,104 @@
+"""`server.engine_process`: the engine in its own process behind the server (the data-parallel front with one
+replica), so that the HTTP server and the engine do not share one GIL. The same greedy text as the engine in
+the server's process, streamed and not; grammars checked by the server and enforced by the replica; what
+the front does not serve refused by name. One server (tiny random Llama with a byte tokenizer) for the module."""
+
+import json
+import os
+
+import openai
+import pytest
+from pagoda import LLM, SamplingParams
+from pagoda.config import EngineConfig
+from pagoda.errors import ConfigError
+from pagoda.server import ServerConfig, ServerThread, build_app
+from pagoda.testing import make_tiny_checkpoint
+
+TINY = dict(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256)
+ENGINE = dict(device="cpu", dtype="float32", num_kv_blocks=128, block_size=8, max_num_seqs=8)
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("engine-process"), seed=3, tokenizer=True, **TINY)
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    app = build_app(EngineConfig(model=str(model), **ENGINE),
+                    ServerConfig(served_model_name="tiny", engine_process=True))
+    with ServerThread(app) as srv:
+        yield srv
+    engine = app.state.async_engine.engine  # (`pagoda serve` stops it at exit)
+    engine.shutdown()
+    assert all(r.proc.poll() is not None for r in engine.replicas)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def test_the_engine_runs_in_another_process_and_gives_the_in_process_engines_greedy_text(server, client, model):
+    engine = server.app.state.async_engine.engine
+    (replica,) = engine.replicas
+    assert replica.proc.pid != os.getpid() and replica.proc.poll() is None
+    kw = dict(model="tiny", temperature=0, max_tokens=16, extra_body={"ignore_eos": True})
+    full = client.completions.create(prompt=PROMPT, **kw)
+    chunks = list(client.completions.create(prompt=PROMPT, stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert full.usage.completion_tokens == 16 and full.choices[0].finish_reason == "length"
+    llm = LLM(model=str(model), **ENGINE)  # the engine in this process: the same tokens
+    try:
+        want = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    finally:
+        llm.shutdown()
+    assert full.choices[0].text == want.outputs[0].text
+
+
+def test_grammars_are_checked_by_the_server_and_enforced_by_the_replica(client):
+    for _ in range(2):  # the second from the replica's grammar cache
+        out = client.completions.create(model="tiny", prompt="Answer:", max_tokens=8, temperature=0,
+                                        extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+        assert out.choices[0].text in ("yes", "no") and out.choices[0].finish_reason == "stop"
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "a number"}], max_tokens=32, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
+    if chat.choices[0].finish_reason == "stop":  # (a random model may run out of tokens inside the number)
+        assert isinstance(json.loads(chat.choices[0].message.content)["n"], int)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny", prompt="x", max_tokens=4,
+                                  extra_body={"structured_outputs": {"regex": "(unclosed"}})
+    assert err.value.body["param"] == "structured_outputs.regex"
+
+
+def test_images_are_refused_by_name_and_the_engine_goes_on(client):
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", max_tokens=4, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "what is it?"}, image]}])
+    assert err.value.body["code"] == "unsupported_task" and "engine_process" in err.value.body["message"]
+    assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2).usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("engine_kw, server_kw, key", [
+    ({"enable_lora": True}, {}, "enable_lora"),
+    ({"runner": "pooling"}, {}, "runner: pooling"),
+])
+def test_what_the_front_does_not_serve_is_refused_before_loading(engine_kw, server_kw, key):
+    config = EngineConfig(model="/nonexistent/model", **ENGINE, **engine_kw)  # never loaded: refused first
+    with pytest.raises(ConfigError, match=f"{key}.*server.engine_process"):
+        build_app(config, ServerConfig(engine_process=True, **server_kw))
+
+
+def test_the_flag_and_the_yaml_key(tmp_path):
+    from pagoda.cli.main import build_parser
+    from pagoda.cli.serve import server_config_from_args
+
+    args = build_parser().parse_args(["serve", "--engine-process"])
+    assert server_config_from_args(args).engine_process is True
+    assert ServerConfig().engine_process is False
