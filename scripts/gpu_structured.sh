@@ -16,6 +16,8 @@
 # Settings: BACKENDS="xgrammar llguidance" CONCURRENCY=64 NUM_REQUESTS=256 MAX_TOKENS=256 PROMPT_LEN=64
 #   REPEATS=3 (interleaved unconstrained/constrained pairs; the ratio is their median: one pair varies by 0.1-0.2)
 #   SERVE_ARGS="" (extra arguments of pagoda serve, e.g. --no-async-scheduling)
+#   ENGINE_PROCESS="0" (0: the engine on a thread of the server; 1: pagoda serve --engine-process; "0 1": one
+#   server each, in that order, results bench-<backend>-c<N>[-process].json)
 #   CLIENT_PROCESSES="1" (bench serve --client-processes; several values: one bench each, bench-<backend>-c<N>.json)
 #   OFFLINE=1 (first the engine alone: pagoda bench throughput, unconstrained and --structured-outputs json,
 #   at the same concurrency; offline-*.json)
@@ -50,9 +52,13 @@ if [ "${OFFLINE:-1}" = 1 ]; then  # the engine alone (LLM.generate), same reques
   done
 fi
 for backend in $BACKENDS; do
-  say "serve qwen3-0.6b shape (dummy weights), structured_outputs_backend=$backend"
+ for process in ${ENGINE_PROCESS:-0}; do
+  suffix=""; flag=""
+  [ "$process" = 1 ] && suffix="-process" && flag="--engine-process"
+  say "serve qwen3-0.6b shape (dummy weights), structured_outputs_backend=$backend ${flag}"
+  # shellcheck disable=SC2086
   $PY -m pagoda.cli.main serve --model "$MODEL" --load-format dummy --port "$PORT" --max-num-seqs 128 \
-    --structured-outputs-backend "$backend" ${SERVE_ARGS:-} >>"$LOG" 2>&1 &
+    --structured-outputs-backend "$backend" $flag ${SERVE_ARGS:-} >>"$LOG" 2>&1 &
   SERVER=$!
   for _ in $(seq 1 120); do
     curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
@@ -64,10 +70,11 @@ for backend in $BACKENDS; do
     timeout 240 $PY -m pagoda.cli.main bench serve --url "http://127.0.0.1:$PORT" --concurrency "$CONCURRENCY" \
       --num-requests "$NUM_REQUESTS" --max-tokens "$MAX_TOKENS" --prompt-len "$PROMPT_LEN" \
       --structured-outputs json --compare-unconstrained --repeats "$REPEATS" --client-processes "$clients" \
-      --json > "$OUT/bench-$backend-c$clients.json" 2>>"$LOG"
-    say "bench ($clients client processes) exit $?"
+      --json > "$OUT/bench-$backend-c$clients$suffix.json" 2>>"$LOG"
+    say "bench ($clients client processes${flag:+, $flag}) exit $?"
   done
   kill $SERVER; wait $SERVER 2>/dev/null
+ done
 done
 $PY - "$OUT" <<'PYEOF' 2>&1 | tee -a "$LOG"
 import json, sys
