@@ -56,6 +56,15 @@ def test_the_engine_runs_in_another_process_and_gives_the_in_process_engines_gre
     finally:
         llm.shutdown()
     assert full.choices[0].text == want.outputs[0].text
+    # a stop string cuts the text back after the replica streamed it (sent as deltas): the same both ways
+    text = want.outputs[0].text
+    word = text[5:7]
+    stop = dict(kw, stop=[word], logprobs=2)
+    cut = client.completions.create(prompt=PROMPT, **stop)
+    pieces = list(client.completions.create(prompt=PROMPT, stream=True, **stop))
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == text[:text.find(word)]
+    assert "".join(c.choices[0].text for c in pieces if c.choices) == cut.choices[0].text
+    assert len(cut.choices[0].logprobs.tokens) == cut.usage.completion_tokens
 
 
 def test_grammars_are_checked_by_the_server_and_enforced_by_the_replica(client):

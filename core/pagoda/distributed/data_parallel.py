@@ -32,6 +32,7 @@ from typing import Any
 
 from pagoda.config import EngineConfig
 from pagoda.distributed.dp_replica import ENV_ADDRESS, ENV_AUTHKEY, ENV_INDEX
+from pagoda.distributed.output_deltas import OutputReceiver
 from pagoda.engine.executor.failures import WorkerError, describe_exit
 from pagoda.engine.prompt_ids import check_prompt_ids, truncate_prompt_ids
 from pagoda.engine.prompt_ids import prompt_token_ids as prompt_ids
@@ -120,6 +121,7 @@ class DataParallelEngine:
             self.replicas.append(_Replica(i, proc))
         self._finalizer = weakref.finalize(self, _stop, self.replicas, self._listener)
         self.error: WorkerError | None = None
+        self._receiver = OutputReceiver()  # the replicas send deltas (pagoda.distributed.output_deltas)
         self.parameter_count = 0  # replica 0 reports it when ready
         try:
             self._connect(local.model_dump_json(), finished_only)
@@ -234,7 +236,7 @@ class DataParallelEngine:
             self.requests.pop(rid, None)
             return [RequestOutput(rid, None, [], [CompletionOutput(0, "", [], None, None, "error")], True,
                                   error=text)]
-        outputs, replica.stats = message[1], message[2]
+        outputs, replica.stats = self._receiver.decode(message[1]), message[2]
         for out in outputs:
             if out.finished:
                 replica.unfinished.discard(out.request_id)
@@ -293,6 +295,7 @@ class DataParallelEngine:
                 self.replicas[index].unfinished.discard(rid)
                 by_replica.setdefault(index, []).append(rid)
         for index, ids in by_replica.items():
+            self._receiver.forget(ids)
             self._send(self.replicas[index], ("abort", ids))
 
     def has_unfinished_requests(self) -> bool:

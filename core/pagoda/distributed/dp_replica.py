@@ -11,9 +11,10 @@ tensor/pipeline parallel and start its own ranks), then serves messages:
 - ``("abort", [request ids])``, ``("stats",)`` (answered ``("stats", dict)``), ``("stop",)``;
 - ``("mode", finished_only)``: what to send after each step (the server streams every output).
 
-While it has requests it steps and sends ``("outputs", [RequestOutput], stats)`` after each
-step (only finished requests and first tokens when the front asked for ``finished_only``),
-reading the front's messages between steps.
+While it has requests it steps and sends ``("outputs", [RequestOutput | OutputDelta], stats)``
+after each step (only finished requests and first tokens when the front asked for
+``finished_only``; a request's outputs after its first as what is new since,
+``pagoda.distributed.output_deltas``), reading the front's messages between steps.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ ENV_INDEX = "PAGODA_DP_INDEX"
 
 
 def serve(conn, engine, finished_only: bool) -> None:
+    from pagoda.distributed.output_deltas import OutputSender
+
+    sender = OutputSender()  # each step's outputs as what is new since the last (the front rebuilds them)
     while True:
         # block for the next message when idle; between steps, only read what is there
         while not engine.has_unfinished_requests() or conn.poll(0):
@@ -46,13 +50,14 @@ def serve(conn, engine, finished_only: bool) -> None:
                     conn.send(("failed", rid, f"{type(exc).__name__}: {exc}"))
             elif kind == "abort":
                 engine.abort_request(message[1])
+                sender.forget(message[1])
             elif kind == "stats":
                 conn.send(("stats", engine.get_stats()))
             elif kind == "mode":
                 finished_only = message[1]
         outputs = engine.step(finished_only=finished_only)
         if outputs:
-            conn.send(("outputs", outputs, engine.get_stats()))
+            conn.send(("outputs", sender.encode(outputs), engine.get_stats()))
 
 
 def main() -> int:
