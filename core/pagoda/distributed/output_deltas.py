@@ -12,6 +12,7 @@ output passed, or when it is aborted.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -92,20 +93,11 @@ def _delta(c: CompletionOutput, sent: _Sent | None) -> CompletionDelta:
         start = sent.tokens  # the tokens only grow (checked at the last one sent)
     keep = 0
     if sent is not None:
-        keep = len(sent.text) if c.text.startswith(sent.text) else _common_prefix(sent.text, c.text)
+        keep = len(sent.text) if c.text.startswith(sent.text) else len(os.path.commonprefix([sent.text, c.text]))
     lp_start = sent.logprobs if sent is not None and logprobs is not None and len(logprobs) >= sent.logprobs else 0
     return CompletionDelta(c.index, start, ids[start:], keep, c.text[keep:], lp_start,
                            logprobs[lp_start:] if logprobs is not None else None, c.cumulative_logprob,
                            c.finish_reason, c.stop_reason)
-
-
-def _common_prefix(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class OutputReceiver:
