@@ -127,8 +127,11 @@ def run(args) -> int:
     def announce(url: str) -> None:
         if engine.platform.name == "cpu" and engine.runner is not None:  # None: data-parallel replicas
             print(cpu_choices(engine), file=sys.stderr, flush=True)
+        replicas = getattr(engine, "replicas", None)  # the engines run in their own processes
+        where = f", engine process{'es' if len(replicas) > 1 else ''} " + ", ".join(
+            str(r.proc.pid) for r in replicas) if replicas else ""
         print(f"pagoda: serving {fe.model_name} ({engine.platform.name}/{engine.dtype}, max_model_len "
-              f"{fe.max_model_len}) on {url}{' (API keys required)' if server_config.api_keys else ''}",
+              f"{fe.max_model_len}{where}) on {url}{' (API keys required)' if server_config.api_keys else ''}",
               file=sys.stderr, flush=True)
 
     return run_server(app, server_config, announce=announce, sock=sock)
