@@ -52,29 +52,29 @@ if [ "${OFFLINE:-1}" = 1 ]; then  # the engine alone (LLM.generate), same reques
   done
 fi
 for backend in $BACKENDS; do
- for process in ${ENGINE_PROCESS:-0}; do
-  suffix=""; flag=""
-  [ "$process" = 1 ] && suffix="-process" && flag="--engine-process"
-  say "serve qwen3-0.6b shape (dummy weights), structured_outputs_backend=$backend ${flag}"
-  # shellcheck disable=SC2086
-  $PY -m pagoda.cli.main serve --model "$MODEL" --load-format dummy --port "$PORT" --max-num-seqs 128 \
-    --structured-outputs-backend "$backend" $flag ${SERVE_ARGS:-} >>"$LOG" 2>&1 &
-  SERVER=$!
-  for _ in $(seq 1 120); do
-    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
-    kill -0 $SERVER 2>/dev/null || break
-    sleep 1
+  for process in ${ENGINE_PROCESS:-0}; do
+    suffix=""; flag=""
+    [ "$process" = 1 ] && suffix="-process" && flag="--engine-process"
+    say "serve qwen3-0.6b shape (dummy weights), structured_outputs_backend=$backend ${flag}"
+    # shellcheck disable=SC2086
+    $PY -m pagoda.cli.main serve --model "$MODEL" --load-format dummy --port "$PORT" --max-num-seqs 128 \
+      --structured-outputs-backend "$backend" $flag ${SERVE_ARGS:-} >>"$LOG" 2>&1 &
+    SERVER=$!
+    for _ in $(seq 1 120); do
+      curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
+      kill -0 $SERVER 2>/dev/null || break
+      sleep 1
+    done
+    say "server up (pid $SERVER); bench: $NUM_REQUESTS requests, concurrency $CONCURRENCY, $MAX_TOKENS tokens"
+    for clients in ${CLIENT_PROCESSES:-1}; do
+      timeout 240 $PY -m pagoda.cli.main bench serve --url "http://127.0.0.1:$PORT" --concurrency "$CONCURRENCY" \
+        --num-requests "$NUM_REQUESTS" --max-tokens "$MAX_TOKENS" --prompt-len "$PROMPT_LEN" \
+        --structured-outputs json --compare-unconstrained --repeats "$REPEATS" --client-processes "$clients" \
+        --json > "$OUT/bench-$backend-c$clients$suffix.json" 2>>"$LOG"
+      say "bench ($clients client processes${flag:+, $flag}) exit $?"
+    done
+    kill $SERVER; wait $SERVER 2>/dev/null
   done
-  say "server up (pid $SERVER); bench: $NUM_REQUESTS requests, concurrency $CONCURRENCY, $MAX_TOKENS tokens"
-  for clients in ${CLIENT_PROCESSES:-1}; do
-    timeout 240 $PY -m pagoda.cli.main bench serve --url "http://127.0.0.1:$PORT" --concurrency "$CONCURRENCY" \
-      --num-requests "$NUM_REQUESTS" --max-tokens "$MAX_TOKENS" --prompt-len "$PROMPT_LEN" \
-      --structured-outputs json --compare-unconstrained --repeats "$REPEATS" --client-processes "$clients" \
-      --json > "$OUT/bench-$backend-c$clients$suffix.json" 2>>"$LOG"
-    say "bench ($clients client processes${flag:+, $flag}) exit $?"
-  done
-  kill $SERVER; wait $SERVER 2>/dev/null
- done
 done
 $PY - "$OUT" <<'PYEOF' 2>&1 | tee -a "$LOG"
 import json, sys

@@ -104,7 +104,7 @@ def test_what_the_front_does_not_serve_is_refused_before_loading(engine_kw, serv
         build_app(config, ServerConfig(engine_process=True, **server_kw))
 
 
-def test_the_flag_and_the_yaml_key(tmp_path):
+def test_the_flag_and_its_default():
     from pagoda.cli.main import build_parser
     from pagoda.cli.serve import server_config_from_args
 

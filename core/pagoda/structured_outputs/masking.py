@@ -64,13 +64,14 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[tuple[int, GrammarMatch
     # the buffer filled ahead is page-locked already (copied as it is); rows filled here go through upload
     device = host.to(logits.device, non_blocking=True) if extra is None else upload(host.numpy(), logits.device)
     targets = [row for row, _, _ in rows]
+    # the kernel's rows (padded where its kernel is Triton's: _kernel_rows), uploaded once for both uses below
+    index = _on(logits.device, targets if logits.device.type == "cpu" else _kernel_rows(targets), np.int32)
     if source != targets:  # rows in another order than the logits': place them
         placed = torch.empty((logits.shape[0], words), dtype=torch.int32, device=logits.device)
-        placed[_on(logits.device, targets)] = device[_on(logits.device, source)]
+        placed[index[:len(targets)]] = device[_on(logits.device, source)]
         device = placed
     import xgrammar as xgr
 
-    index = _on(logits.device, _kernel_rows(targets), np.int32)
     xgr.apply_token_bitmask_inplace(logits, device, vocab_size=min(logits.shape[-1], 32 * words), indices=index)
     if 32 * words < logits.shape[-1]:  # ids past the tokenizer's: never allowed
         logits[index, 32 * words:] = float("-inf")
@@ -82,7 +83,8 @@ KERNEL_ROWS = 16  # the mask kernel's row count is padded to a multiple of this 
 
 def _kernel_rows(targets: list[int]) -> list[int]:
     """The logits rows the mask kernel is given: ``targets`` with the last one repeated up to a multiple of
-    ``KERNEL_ROWS`` (masking a row twice with its own mask changes nothing). xgrammar's CUDA kernel is Triton,
+    ``KERNEL_ROWS`` (masking a row twice with its own mask changes nothing; the CPU's kernel gets them as they
+    are). xgrammar's CUDA kernel is Triton,
     which compiles a variant per kind of row count (1, a multiple of 16, any other; with and without an index):
     given any count, a server compiled up to six of them while serving, each stalling every stream for a
     fraction of a second. Always an index, always a multiple of 16: one variant, compiled at the first
