@@ -29,6 +29,9 @@ class StepInputs:
     lora: object | None = None  # pagoda.lora.manager.LoRAMapping of the step's adapters, if any
 
 
+TABLE_WIDTH_MULTIPLE = 16  # block tables of eager steps are padded to a multiple of this many blocks
+
+
 def build_step_inputs(out: SchedulerOutput, block_size: int, device: torch.device,
                       block_table_width: int | None = None, num_groups: int = 1) -> StepInputs:
     items = out.scheduled
@@ -59,7 +62,10 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, device: torch.devic
         token_seq_lens = np.maximum(np.repeat(prompt_lens, num_new), positions + 1)
 
     max_blocks = int(-(-seq_lens.max() // block_size)) if n else 1
-    width = max(block_table_width or max_blocks, max_blocks)
+    # (eager steps: a multiple of TABLE_WIDTH_MULTIPLE, so that the tables' row stride, an argument of the
+    # attention kernels, keeps one value class: Triton compiles a kernel variant per class (1, a multiple of
+    # 16, other), and a context crossing 16 blocks compiled one mid-serving, stalling every stream)
+    width = max(block_table_width or -(-max_blocks // TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE, max_blocks)
     def table_and_slots(group: int) -> tuple[np.ndarray, np.ndarray]:
         tables = np.zeros((n, width), np.int32)
         for i, it in enumerate(items):
