@@ -5,7 +5,7 @@ the request has run."""
 
 import pickle
 
-from pagoda.distributed.output_deltas import OutputDelta, OutputReceiver, OutputSender
+from pagoda.distributed.output_deltas import OutputReceiver, OutputSender, is_delta
 from pagoda.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 PROMPT = list(range(500))
@@ -36,7 +36,7 @@ def test_deltas_rebuild_the_cumulative_outputs():
         want = [_output("a", step), _output("b", step, n=1)]
         encoded = sender.encode(want)
         sizes.append(len(pickle.dumps(encoded)))
-        assert all(isinstance(e, OutputDelta) for e in encoded) == (step > 0)
+        assert all(is_delta(e) for e in encoded) == (step > 0)
         assert receiver.decode(pickle.loads(pickle.dumps(encoded))) == want
     assert sizes[-1] < sizes[1] * 1.2 and sizes[1] < sizes[0] / 10  # O(new) per step, not O(length)
     last = [_output("a", 40, finished=True, cut=5), _output("b", 40, n=1, finished=True)]  # "a" cut at a stop
@@ -61,3 +61,4 @@ def test_a_completion_whose_tokens_changed_is_sent_whole():
     changed = _output("a", 4, n=1)
     changed.outputs[0].token_ids[3] = 9  # (never happens in the engine: the check makes it safe)
     assert _through(sender, receiver, [changed]) == [changed]
+
