@@ -55,7 +55,8 @@ def engine_config(model_dir) -> EngineConfig:
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    with ServerThread(build_app(engine_config(model_dir), ServerConfig())) as srv:
+    # (the engine in the server's process: the processor above is registered in this one only)
+    with ServerThread(build_app(engine_config(model_dir), ServerConfig(engine_process=False))) as srv:
         yield srv
 
 

@@ -37,7 +37,8 @@ def llm(checkpoint):
 def server(checkpoint):
     engine = EngineConfig(model=str(checkpoint), device="cpu", dtype="float32", num_kv_blocks=128, block_size=8,
                           max_num_seqs=4, served_model_name="tiny", max_n=4)
-    with ServerThread(build_app(engine, ServerConfig())) as srv:
+    # (the engine in the server's process: tests below patch its code)
+    with ServerThread(build_app(engine, ServerConfig(engine_process=False))) as srv:
         yield srv
 
 
@@ -269,7 +270,8 @@ def test_a_dead_engine_says_so_and_the_process_exits_non_zero(checkpoint):
     import time
 
     cmd = [sys.executable, "-c", DYING_SERVER, "serve", "--model", str(checkpoint), "--device", "cpu",
-           "--dtype", "float32", "--num-kv-blocks", "64", "--port", "0", "--shutdown-timeout", "5"]
+           "--dtype", "float32", "--num-kv-blocks", "64", "--port", "0", "--shutdown-timeout", "5",
+           "--no-engine-process"]  # (the patch above applies to this process)
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         url = None

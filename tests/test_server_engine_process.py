@@ -85,29 +85,79 @@ def test_grammars_are_checked_by_the_server_and_enforced_by_the_replica(client):
     assert err.value.body["param"] == "structured_outputs.regex"
 
 
-def test_images_are_refused_by_name_and_the_engine_goes_on(client):
+def test_images_to_a_text_only_model_are_refused_as_by_the_in_process_engine(client):
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="tiny", max_tokens=4, messages=[
             {"role": "user", "content": [{"type": "text", "text": "what is it?"}, image]}])
-    assert err.value.body["code"] == "unsupported_task" and "engine_process" in err.value.body["message"]
+    assert err.value.body["param"] == "messages[0].content[1]" and "text-only" in err.value.body["message"]
     assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2).usage.completion_tokens >= 1
 
 
-@pytest.mark.parametrize("engine_kw, server_kw, key", [
-    ({"enable_lora": True}, {}, "enable_lora"),
-    ({"runner": "pooling"}, {}, "runner: pooling"),
-])
-def test_what_the_front_does_not_serve_is_refused_before_loading(engine_kw, server_kw, key):
-    config = EngineConfig(model="/nonexistent/model", **ENGINE, **engine_kw)  # never loaded: refused first
-    with pytest.raises(ConfigError, match=f"{key}.*server.engine_process"):
-        build_app(config, ServerConfig(engine_process=True, **server_kw))
+def test_the_queue_limit_counts_the_requests_the_replica_has_no_seat_for(model):
+    import asyncio
+
+    import httpx
+
+    app = build_app(EngineConfig(model=str(model), **{**ENGINE, "max_num_seqs": 2}),
+                    ServerConfig(served_model_name="tiny", max_queued_requests=2))
+    long = {"prompt": "q", "temperature": 0, "max_tokens": 200, "ignore_eos": True, "stream": True}
+
+    async def run(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            streams = []
+            for _ in range(4):  # two running (max_num_seqs=2), two waiting (max_queued_requests=2)
+                cm = c.stream("POST", "/v1/completions", json=long)
+                assert (await cm.__aenter__()).status_code == 200
+                streams.append(cm)
+            refused = await c.post("/v1/completions", json={"prompt": "q", "max_tokens": 2})
+            for cm in streams:  # disconnect: the four are aborted in the replica
+                await cm.__aexit__(None, None, None)
+            return refused
+
+    with ServerThread(app) as srv:
+        assert hasattr(app.state.async_engine.engine, "replicas")  # the default: the engine in its own process
+        refused = asyncio.run(run(srv.url))
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
+        import time
+
+        deadline = time.monotonic() + 10  # the replica reports itself idle once the aborts reach it
+        while True:
+            stats = app.state.async_engine.call_sync(lambda e: e.get_stats())
+            if stats["num_running"] == stats["kv_blocks_used"] == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert stats["num_running"] == stats["num_waiting"] == stats["kv_blocks_used"] == 0, stats
+    assert all(r.proc.poll() is not None for r in app.state.async_engine.engine.replicas)  # ended with the server
+
+
+def test_pooling_runs_in_the_servers_process_or_is_refused_when_asked_for():
+    from pagoda.server.runner import engines_own_process
+
+    config = EngineConfig(model="/nonexistent/model", **ENGINE, runner="pooling")  # never loaded: refused first
+    with pytest.raises(ConfigError, match="runner: pooling.*server.engine_process"):
+        build_app(config, ServerConfig(engine_process=True))
+    assert engines_own_process(config, ServerConfig()) is False  # unset: the engine on a thread
+    lora = EngineConfig(model="/nonexistent/model", **ENGINE, enable_lora=True)
+    assert engines_own_process(lora, ServerConfig(lora_modules=["a=/nowhere"])) is True  # the front carries LoRA
+
+
+def test_a_model_that_takes_images_runs_in_the_servers_process_by_default(tmp_path):
+    from pagoda.server.runner import engines_own_process
+    from pagoda.testing.vision import make_tiny_qwen2_5_vl
+
+    make_tiny_qwen2_5_vl(tmp_path)
+    config = EngineConfig(model=str(tmp_path), **ENGINE)
+    assert engines_own_process(config, ServerConfig()) is False
+    with pytest.raises(ConfigError, match="takes images.*server.engine_process"):
+        build_app(config, ServerConfig(engine_process=True))
 
 
 def test_the_flag_and_its_default():
     from pagoda.cli.main import build_parser
     from pagoda.cli.serve import server_config_from_args
 
-    args = build_parser().parse_args(["serve", "--engine-process"])
-    assert server_config_from_args(args).engine_process is True
-    assert ServerConfig().engine_process is False
+    parser = build_parser()
+    assert server_config_from_args(parser.parse_args(["serve", "--engine-process"])).engine_process is True
+    assert server_config_from_args(parser.parse_args(["serve", "--no-engine-process"])).engine_process is False
+    assert ServerConfig().engine_process is None  # chosen from what the engine serves

@@ -12,6 +12,8 @@ from pagoda.config import EngineConfig
 from pagoda.server import ServerConfig, ServerThread, build_app
 from pagoda.testing import make_tiny_checkpoint
 
+from tests.support.server_checks import check_blocks
+
 TINY = dict(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256)
 CHAT = [{"role": "user", "content": "hi"}]
@@ -40,7 +42,7 @@ def engine_left_clean(server):
             break
         time.sleep(0.02)
     assert idle and engine.num_unfinished() == 0, stats
-    engine.call_sync(lambda e: e.block_manager.check_invariants())
+    engine.call_sync(check_blocks)
 
 
 def post(server, path, body, **kw):

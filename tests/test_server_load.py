@@ -18,6 +18,8 @@ from pagoda.server.metrics import ServerMetrics
 from pagoda.testing import make_tiny_checkpoint
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.server_checks import check_blocks
+
 TINY = dict(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=1024)
 
@@ -44,7 +46,7 @@ def wait_idle(server, timeout=10.0) -> dict:
         idle = s["num_running"] == s["num_waiting"] == s["kv_blocks_used"] == 0 and engine.num_unfinished() == 0
         if idle or time.monotonic() > deadline:
             assert idle, s
-            engine.call_sync(lambda e: e.block_manager.check_invariants())
+            engine.call_sync(check_blocks)
             return s
         time.sleep(0.02)
 

@@ -52,6 +52,7 @@ def tokens_of(response: httpx.Response) -> list[int]:
 
 
 def test_models_lists_adapters_with_their_parent(server, files):
+    assert hasattr(server.app.state.async_engine.engine, "replicas")  # the default: the engine in its own process
     data = httpx.get(server.url + "/v1/models", headers=AUTH).json()["data"]
     assert [(m["id"], m.get("parent")) for m in data] == [("tiny", None), ("sql", "tiny")]
     assert httpx.get(server.url + "/v1/models/sql", headers=AUTH).json()["root"] == str(files[1])

@@ -10,6 +10,8 @@ from pagoda.server import ServerConfig, ServerThread, build_app
 from pagoda.testing import make_tiny_checkpoint
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.server_checks import check_blocks
+
 KEY = "sk-test-key"
 TINY = dict(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256)
@@ -47,7 +49,7 @@ def wait_idle(server, timeout=10.0):
         stats = engine.call_sync(lambda e: e.get_stats())
         if (stats["num_running"] == stats["num_waiting"] == stats["kv_blocks_used"] == 0
                 and engine.num_unfinished() == 0) or time.monotonic() > deadline:
-            engine.call_sync(lambda e: e.block_manager.check_invariants())
+            engine.call_sync(check_blocks)
             return stats
 
 

@@ -106,3 +106,43 @@ def test_sigterm_stops_accepting_ends_in_flight_requests_and_exits_0(process):
     if HAS_DEFAULT:  # SmolLM2 cannot produce 400 tokens within the 1 s: the request was aborted
         assert not any('"finish_reason": "length"' in line for line in rest)
     assert process.wait(timeout=30) == 0, "".join(process.log)
+
+
+def test_ctrl_c_shuts_down_cleanly_and_ends_the_engine_process(tmp_path):
+    """SIGINT (Ctrl-C) as SIGTERM: a graceful shutdown, status 0, no traceback, and the engine's own process
+    (the default, named in the start-up line) ends with the server."""
+    path = make_tiny_checkpoint("llama", tmp_path, tokenizer=True, vocab_size=260, hidden_size=64,
+                                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, max_position_embeddings=256)
+    cmd = [sys.executable, "-m", "pagoda.cli.main", "serve", "--model", str(path), "--port", "0", "--device", "cpu",
+           "--dtype", "float32", "--num-kv-blocks", "64"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        announced = ""
+        for line in proc.stderr:
+            announced += line
+            if "serving" in line:
+                break
+        match = re.search(r"engine process (\d+)\) on (http://127\.0\.0\.1:\d+)", announced)
+        assert match, announced
+        engine_pid, url = int(match.group(1)), match.group(2)
+        body = {"prompt": "hi", "max_tokens": 2}
+        deadline = time.monotonic() + 60
+        while True:  # (the port is bound before the server listens)
+            try:
+                assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        rest = proc.stderr.read()
+        assert "Traceback" not in rest, rest
+        with pytest.raises(ProcessLookupError):
+            os.kill(engine_pid, 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

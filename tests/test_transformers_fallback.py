@@ -215,7 +215,8 @@ def test_server_runs_a_fallback_model(tmp_path_factory):
 
     path = make_tiny_checkpoint("olmo2", tmp_path_factory.mktemp("olmo2-serve"), seed=1, tokenizer=True, **TINY)
     engine = EngineConfig(model=str(path), **ENGINE)
-    with ServerThread(build_app(engine, ServerConfig(served_model_name="olmo"))) as srv:
+    # (the engine in the server's process: the test reads its model)
+    with ServerThread(build_app(engine, ServerConfig(served_model_name="olmo", engine_process=False))) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=30)
         chat = client.chat.completions.create(model="olmo", messages=[{"role": "user", "content": "hi"}],
                                               max_tokens=4, temperature=0)

@@ -30,7 +30,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
             continue
         help_text = (field.description or "").replace("%", "%%")
         args = typing.get_args(field.annotation)
-        if field.annotation is bool:
+        if field.annotation is bool or field.annotation == (bool | None):
             group.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)
         elif name == "lora_modules":  # vLLM's form: --lora-modules a=PATH b=PATH (repeatable too)
@@ -125,9 +125,11 @@ def run(args) -> int:
     engine = app.state.async_engine.engine
 
     def announce(url: str) -> None:
-        if engine.platform.name == "cpu" and engine.runner is not None:  # None: data-parallel replicas
-            print(cpu_choices(engine), file=sys.stderr, flush=True)
         replicas = getattr(engine, "replicas", None)  # the engines run in their own processes
+        if engine.platform.name == "cpu":
+            choices = {r.choices for r in replicas} if replicas else {cpu_choices(engine)}
+            for line in sorted(c for c in choices if c):
+                print(line, file=sys.stderr, flush=True)
         where = f", engine process{'es' if len(replicas) > 1 else ''} " + ", ".join(
             str(r.proc.pid) for r in replicas) if replicas else ""
         print(f"pagoda: serving {fe.model_name} ({engine.platform.name}/{engine.dtype}, max_model_len "

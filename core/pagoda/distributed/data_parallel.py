@@ -39,6 +39,7 @@ from pagoda.engine.prompt_ids import prompt_token_ids as prompt_ids
 from pagoda.errors import ConfigError, RequestError
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
+from pagoda.selection import model_takes_images
 
 logger = logging.getLogger("pagoda")
 STARTUP_TIMEOUT_S = 900.0
@@ -56,14 +57,29 @@ def choose_replica(loads: list[float], preferred: int | None) -> int:
     return least
 
 
-class _SchedulerView:
-    """What the server's ``AsyncEngine`` reads of a scheduler: the seats of all the replicas
-    (each replica queues what it cannot seat; the front does not see its queues)."""
+class _Seat:
+    __slots__ = ("request_id",)
 
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int | None):
-        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.waiting: list = []
-        self.running: list = []
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+
+
+class _SchedulerView:
+    """What the server's ``AsyncEngine`` reads of a scheduler (its queue limit, ``max_queued_requests``):
+    each replica's unfinished requests, the first ``max_num_seqs`` of them running and the rest waiting
+    (the front does not see the replicas' queues; requests with n > 1 count once)."""
+
+    def __init__(self, replicas: list[_Replica], max_num_seqs: int, max_num_batched_tokens: int | None):
+        self._replicas, self._seats = replicas, max_num_seqs
+        self.max_num_seqs, self.max_num_batched_tokens = len(replicas) * max_num_seqs, max_num_batched_tokens
+
+    @property
+    def running(self) -> list[_Seat]:
+        return [_Seat(rid) for r in self._replicas for rid in list(r.unfinished)[:self._seats]]
+
+    @property
+    def waiting(self) -> list[_Seat]:
+        return [_Seat(rid) for r in self._replicas for rid in list(r.unfinished)[self._seats:]]
 
 
 class _Replica:
@@ -72,6 +88,7 @@ class _Replica:
         self.conn: Any = None
         self.unfinished: set[str] = set()
         self.stats: dict = {}
+        self.choices: str | None = None  # what its engine chose on the CPU (pagoda.cli.serve.cpu_choices)
 
     def kv_usage(self) -> float:
         total = self.stats.get("kv_blocks_total") or 0
@@ -138,12 +155,13 @@ class DataParallelEngine:
 
         self.eos_token_ids = LLMEngine._eos_ids(self)
         self.controls = RequestControls(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids, config)
-        self.scheduler = _SchedulerView(size * config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = _SchedulerView(self.replicas, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = None
-        self.pooling = None  # (the server refuses runner: pooling with this front: pagoda.server.runner)
+        # (the server serves runner: pooling and models that take images from one engine in its own process:
+        # pagoda.server.runner; to this front every model is text-only)
+        self.pooling = None
         self.mm_processor = None
-        self.images_refused = ("images are not served with data_parallel_size > 1 or server.engine_process yet: "
-                               "serve a vision model from one engine in the server's process")
+        self.takes_images = model_takes_images(self.source, self.hf_config, config.model_impl)
         self._step_timeout = 60.0 if finished_only else STREAM_WAIT_S
 
     # ------------------------------------------------------------------ start-up
@@ -225,7 +243,7 @@ class DataParallelEngine:
         if kind == "crashed":
             self._fail(replica, f"raised {message[1]} {what}")
         if kind == "ready":
-            replica.stats, self.parameter_count = message[1], message[2]
+            replica.stats, self.parameter_count, replica.choices = message[1], message[2], message[3]
             return []
         if kind == "stats":
             replica.stats = message[1]
@@ -236,7 +254,9 @@ class DataParallelEngine:
             self.requests.pop(rid, None)
             return [RequestOutput(rid, None, [], [CompletionOutput(0, "", [], None, None, "error")], True,
                                   error=text)]
-        outputs, replica.stats = self._receiver.decode(message[1]), message[2]
+        outputs = self._receiver.decode(message[1])
+        if message[2] is not None:  # (sent with some outputs only)
+            replica.stats = message[2]
         for out in outputs:
             if out.finished:
                 replica.unfinished.discard(out.request_id)
@@ -258,12 +278,12 @@ class DataParallelEngine:
                     lora_request=None) -> str:
         self._check_alive("")
         if multi_modal_data is not None or mm_inputs is not None:
-            raise RequestError("images are not supported with data_parallel_size > 1 yet: serve a vision "
-                               "model with one replica", field="messages")
-        if lora_request is not None:
-            raise RequestError("LoRA adapters are not supported with data_parallel_size > 1 yet", field="model")
+            self.process_multimodal([], [(None, "multi_modal_data")])
         params = params or SamplingParams()
         params.validate(self.config.max_logprobs, vocab_size=self.hf_config.vocab_size, max_n=self.config.max_n)
+        if lora_request is not None and not self.config.enable_lora:  # (the replica loads and checks the adapter)
+            raise RequestError(f"LoRA adapter {getattr(lora_request, 'lora_name', lora_request)!r} requested but "
+                               f"this engine was started without enable_lora (--enable-lora)", field="lora_request")
         if request_id is None:
             self._counter += 1
             request_id = f"req-{self._counter}"
@@ -277,12 +297,14 @@ class DataParallelEngine:
             raise RequestError(f"the prompt has {len(prompt_token_ids)} tokens; this model's max_model_len "
                                f"is {self.max_model_len}, which leaves no room for output", field="prompt")
         block = self.config.block_size
-        key = hash(tuple(prompt_token_ids[:block])) if len(prompt_token_ids) >= block else None
+        adapter = lora_request.lora_int_id if lora_request is not None else 0  # (its blocks are its own)
+        key = hash((adapter, *prompt_token_ids[:block])) if len(prompt_token_ids) >= block else None
         index = choose_replica(self._loads(), self._prefix_home.get(key) if key is not None else None)
         if key is not None:
             self._prefix_home[key] = index
         replica = self.replicas[index]
-        self._send(replica, ("add", request_id, text, list(prompt_token_ids), params, arrival_time or time.time()))
+        self._send(replica, ("add", request_id, text, list(prompt_token_ids), params, arrival_time or time.time(),
+                             lora_request))
         replica.unfinished.add(request_id)
         self.requests[request_id] = index
         return request_id
@@ -313,7 +335,41 @@ class DataParallelEngine:
         self._step_timeout = STREAM_WAIT_S if streaming else 60.0
 
     def process_multimodal(self, prompt_token_ids, images, prompt_field: str = "messages"):
-        raise RequestError(self.images_refused, field=prompt_field)
+        """Images do not pass this front (a server with a model that takes them runs one engine in its
+        own process, pagoda.server.runner): refused, as by a text-only engine where the model is one."""
+        if self.takes_images:
+            raise RequestError("images are not served with data_parallel_size > 1 yet: serve a vision model "
+                               "with one replica", field=prompt_field, code="unsupported_task")
+        arch = ", ".join(getattr(self.hf_config, "architectures", None) or ["?"])
+        raise RequestError(f"this model ({arch}) is text-only: it takes no images",
+                           field=images[0][1] if images else "multi_modal_data")
+
+    def load_lora(self, request) -> None:
+        """Load a LoRA adapter (``pagoda.lora.LoRARequest``) in every replica; LoRAError if one refuses it."""
+        self._call_replicas(("lora", "load", request), "while loading LoRA adapter " + repr(request.lora_name))
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self._call_replicas(("lora", "remove", lora_int_id), "while removing a LoRA adapter")
+
+    def _call_replicas(self, message: tuple, what: str) -> None:
+        """Send every replica ``message`` and wait for each one's answer; outputs sent meanwhile are kept
+        for the next ``step``."""
+        from pagoda.lora.peft_format import LoRAError
+
+        self._check_alive(what)
+        for replica in self.replicas:
+            self._send(replica, message)
+        refusals = []
+        for replica in self.replicas:
+            while True:
+                reply = self._recv(replica, what)
+                if reply[0] == "done":
+                    if reply[1] is not None:
+                        refusals.append(reply[1])
+                    break
+                self._pending.extend(self._handle(replica, reply, what))
+        if refusals:
+            raise LoRAError(refusals[0])
 
     def validate_params(self, params: SamplingParams) -> None:
         params.validate(self.config.max_logprobs, vocab_size=self.hf_config.vocab_size, max_n=self.config.max_n)
@@ -346,13 +402,24 @@ class DataParallelEngine:
         """Sums over the replicas (as of their last reports), and each replica's own under
         ``data_parallel``."""
         for replica in self.replicas:
+            while replica.conn.poll(0):  # reports not read yet (a replica that went idle sends one unasked)
+                self._pending.extend(self._handle(replica, self._recv(replica, "during a step"), "during a step"))
             replica.stats["num_unfinished"] = len(replica.unfinished)
         per = [dict(r.stats, replica=r.index, pid=r.proc.pid) for r in self.replicas]
+        if len(per) == 1:  # one replica (engine_process): its own stats, nested ones included
+            return dict(self.replicas[0].stats, data_parallel=per)
         summed: dict[str, Any] = {}
         for stats in per:
             for key, value in stats.items():
                 if key not in ("replica", "pid") and isinstance(value, (int, float)) and not isinstance(value, bool):
                     summed[key] = summed.get(key, 0) + value
+        masks = [s["structured_outputs"] for s in per if s.get("structured_outputs")]
+        if masks:  # grammar masks' cost over the replicas
+            from pagoda.engine.sampler import MaskCost
+
+            summed["structured_outputs"] = MaskCost(sum(m["mask_steps"] for m in masks),
+                                                    sum(m["mask_rows"] for m in masks),
+                                                    sum(m["mask_seconds"] for m in masks)).summary()
         summed["data_parallel"] = per
         return summed
 

@@ -6,12 +6,14 @@
 ``PAGODA_DP_AUTHKEY``), receives its engine config, builds the engine (which may itself be
 tensor/pipeline parallel and start its own ranks), then serves messages:
 
-- ``("add", request_id, prompt, prompt_token_ids, params, arrival_time)``: queue a request; an
-  error is answered with ``("failed", request_id, message)``;
-- ``("abort", [request ids])``, ``("stats",)`` (answered ``("stats", dict)``), ``("stop",)``;
+- ``("add", request_id, prompt, prompt_token_ids, params, arrival_time, lora_request)``: queue a request;
+  an error is answered with ``("failed", request_id, message)``;
+- ``("lora", "load" | "remove", LoRARequest | adapter id)``: answered ``("done", None | the refusal)``;
+- ``("abort", [request ids])``, ``("stats",)`` (answered ``("stats", dict)``, also sent unasked when the
+  replica goes idle), ``("stop",)``;
 - ``("mode", finished_only)``: what to send after each step (the server streams every output).
 
-While it has requests it steps and sends ``("outputs", [RequestOutput | OutputDelta], stats)``
+While it has requests it steps and sends ``("outputs", [RequestOutput | delta], stats or None)``
 after each step (only finished requests and first tokens when the front asked for
 ``finished_only``; a request's outputs after its first as what is new since,
 ``pagoda.distributed.output_deltas``), reading the front's messages between steps.
@@ -23,31 +25,40 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 from multiprocessing.connection import Client
 
 ENV_ADDRESS = "PAGODA_DP_ADDRESS"
 ENV_AUTHKEY = "PAGODA_DP_AUTHKEY"
 ENV_INDEX = "PAGODA_DP_INDEX"
+STATS_INTERVAL_S = 0.05  # while streaming, the engine's stats go with its outputs at most this often
 
 
 def serve(conn, engine, finished_only: bool) -> None:
     from pagoda.distributed.output_deltas import OutputSender
 
     sender = OutputSender()  # each step's outputs as what is new since the last (the front rebuilds them)
+    busy, stats_sent = False, 0.0
     while True:
         # block for the next message when idle; between steps, only read what is there
         while not engine.has_unfinished_requests() or conn.poll(0):
+            if busy and not engine.has_unfinished_requests():  # idle now (aborts): the front's stats say so
+                conn.send(("stats", engine.get_stats()))
+            busy = engine.has_unfinished_requests()
             message = conn.recv()
             kind = message[0]
             if kind == "stop":
                 return
             if kind == "add":
-                _, rid, prompt, token_ids, params, arrival = message
+                _, rid, prompt, token_ids, params, arrival, lora_request = message
                 try:
-                    engine.add_request(rid, prompt, params, prompt_token_ids=token_ids, arrival_time=arrival)
+                    engine.add_request(rid, prompt, params, prompt_token_ids=token_ids, arrival_time=arrival,
+                                       lora_request=lora_request)
                 except Exception as exc:  # the request's own error: the others go on
                     conn.send(("failed", rid, f"{type(exc).__name__}: {exc}"))
+            elif kind == "lora":
+                conn.send(("done", _lora(engine, message[1], message[2])))
             elif kind == "abort":
                 engine.abort_request(message[1])
                 sender.forget(message[1])
@@ -57,7 +68,35 @@ def serve(conn, engine, finished_only: bool) -> None:
                 finished_only = message[1]
         outputs = engine.step(finished_only=finished_only)
         if outputs:
-            conn.send(("outputs", sender.encode(outputs), engine.get_stats()))
+            # stats (for the front's load balance and /metrics) at most every STATS_INTERVAL_S while streaming,
+            # and whenever a request ends: not every step, where they cost as much as the outputs' pickling
+            now = time.monotonic()
+            fresh = now - stats_sent >= STATS_INTERVAL_S or any(out.finished for out in outputs)
+            if fresh:
+                stats_sent = now
+            conn.send(("outputs", sender.encode(outputs), engine.get_stats() if fresh else None))
+
+
+def _lora(engine, op: str, arg) -> str | None:
+    """Load (a LoRARequest) or remove (an adapter id) a LoRA adapter; the refusal's message, or None."""
+    from pagoda.lora.engine_support import register_lora, remove_lora
+    from pagoda.lora.peft_format import LoRAError
+
+    try:
+        register_lora(engine, arg) if op == "load" else remove_lora(engine, arg)
+    except LoRAError as exc:
+        return str(exc)
+    return None
+
+
+def _choices(engine) -> str | None:
+    """What the engine chose where the platform chooses for the user (the CPU: threads, step budget), for
+    the front to print as ``pagoda serve`` does for an engine of its own."""
+    if engine.platform.name != "cpu" or getattr(engine, "runner", None) is None:
+        return None
+    from pagoda.cli.serve import cpu_choices
+
+    return cpu_choices(engine)
 
 
 def main() -> int:
@@ -75,7 +114,8 @@ def main() -> int:
         config_json, finished_only = conn.recv()
         engine = LLMEngine(EngineConfig.model_validate_json(config_json))
         model = getattr(engine.runner, "model", None)
-        conn.send(("ready", engine.get_stats(), sum(p.numel() for p in model.parameters()) if model is not None else 0))
+        params = sum(p.numel() for p in model.parameters()) if model is not None else 0
+        conn.send(("ready", engine.get_stats(), params, _choices(engine)))
         serve(conn, engine, finished_only)
     except (EOFError, ConnectionError):  # the front went away: nothing to report to
         pass

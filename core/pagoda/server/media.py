@@ -42,11 +42,7 @@ async def take_images(fe, messages: list[dict], rename=None) -> tuple[list[dict]
     """(messages with the model's placeholder text where their images were, [(image, field)])."""
     if not has_images(messages):
         return messages, []
-    engine = fe.async_engine.engine
-    refused = getattr(engine, "images_refused", None)  # an engine front that passes no images on
-    if refused is not None:
-        raise _named(RequestError(refused, field="messages", code="unsupported_task"), rename)
-    proc = engine.mm_processor
+    proc = fe.async_engine.engine.mm_processor
     try:
         return await asyncio.to_thread(split_image_parts, messages, proc.placeholder_text if proc else None,
                                        fetch_policy(fe.config))

@@ -72,7 +72,7 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig):
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.server.app import create_app
 
-    if engine_config.data_parallel_size > 1 or server_config.engine_process:
+    if engine_config.data_parallel_size > 1 or engines_own_process(engine_config, server_config):
         # replicas in their own processes behind this front (pagoda.distributed.data_parallel); engine_process:
         # one replica, so that the HTTP server and the engine do not share a GIL
         from pagoda.distributed.data_parallel import DataParallelEngine
@@ -81,21 +81,56 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig):
         engine = DataParallelEngine(engine_config, finished_only=False)
     else:
         engine = LLMEngine(engine_config)
-    engine.controls.structured_outputs.warm_up()
-    async_engine = AsyncEngine(engine, max_queued_requests=server_config.max_queued_requests)
-    return create_app(async_engine, server_config)
+    try:
+        engine.controls.structured_outputs.warm_up()
+        async_engine = AsyncEngine(engine, max_queued_requests=server_config.max_queued_requests)
+        app = create_app(async_engine, server_config)
+    except BaseException:  # (a server key refused after the engine started: its processes end now)
+        engine.shutdown()
+        raise
+    app.state.owns_engine = True  # built here: its processes end with the server (ServerThread.stop)
+    return app
+
+
+def engines_own_process(engine_config: EngineConfig, server_config: ServerConfig) -> bool:
+    """Whether one engine runs in its own process: ``engine_process``, or where it is unset, whenever the
+    front carries everything the engine serves (not yet pooling or images)."""
+    if server_config.engine_process is not None:
+        return server_config.engine_process
+    return front_refuses(engine_config, server_config) is None
+
+
+def front_refuses(engine_config: EngineConfig, server_config: ServerConfig) -> str | None:
+    """What the front of engines in other processes does not serve yet (None: nothing)."""
+    if engine_config.runner == "pooling":
+        return "runner: pooling"
+    if _takes_images(engine_config):
+        return "a model that takes images"
+    return None
 
 
 def check_front_supports(engine_config: EngineConfig, server_config: ServerConfig) -> None:
-    """What the front of engines in other processes does not serve yet, refused before the model loads."""
-    why = "server.engine_process" if engine_config.data_parallel_size == 1 else \
-        f"data_parallel_size={engine_config.data_parallel_size}"
-    if engine_config.enable_lora or server_config.lora_modules:
-        raise ConfigError(f"LoRA adapters (enable_lora, lora_modules) are not served with {why} yet: serve them "
-                          f"from one engine in the server's process")
-    if engine_config.runner == "pooling":
-        raise ConfigError(f"runner: pooling is not served with {why} yet: serve it from one engine in the "
-                          f"server's process")
+    """Refuse, before the model loads, what the front of engines in other processes does not serve yet."""
+    what = front_refuses(engine_config, server_config)
+    if what is not None:
+        size = engine_config.data_parallel_size
+        why, fix = ("server.engine_process", "engine_process: false") if size == 1 else \
+            (f"data_parallel_size={size}", "data_parallel_size: 1, engine_process: false")
+        raise ConfigError(f"{what}: not served with {why} yet; serve them from one engine in the server's "
+                          f"process ({fix})")
+
+
+def _takes_images(engine_config: EngineConfig) -> bool:
+    from pagoda.loader.model_loader import load_config
+    from pagoda.loader.source import resolve_source
+    from pagoda.selection import model_takes_images
+
+    try:
+        source = resolve_source(engine_config.model, engine_config.revision, engine_config.download_dir)
+        hf_config = load_config(source)
+    except Exception:  # noqa: BLE001 - the engine's own load reports it, with its context
+        return False
+    return model_takes_images(source, hf_config, engine_config.model_impl)
 
 
 def _uvicorn_server(app, config: ServerConfig, port: int | None = None) -> _Server:
@@ -127,13 +162,15 @@ def run_server(app, config: ServerConfig, announce=None, sock: socket.socket | N
     server = _uvicorn_server(app, config, port=port)
     if announce is not None:
         announce(f"http://{config.host}:{port}")
-    # uvicorn re-raises the signal it caught once it has shut down; a no-op SIGTERM handler
-    # makes that a clean exit (status 0) instead of death by signal.
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    # uvicorn re-raises the signal it caught once it has shut down; no-op SIGTERM and SIGINT handlers make
+    # that a clean exit (status 0) instead of death by signal, or for Ctrl-C a KeyboardInterrupt raised
+    # through asyncio, whose cancelled lifespan task printed a traceback after the graceful shutdown.
+    previous = {sig: signal.signal(sig, lambda signum, frame: None) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         server.run(sockets=[sock])
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         sock.close()
     return 0 if server.started and not server.engine_failed else 1
 
@@ -168,6 +205,11 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(timeout)
         self.sock.close()
+        engine = self.app.state.async_engine.engine
+        # an engine build_app made in processes of its own ends with the server (one given to create_app
+        # stays with its owner)
+        if getattr(self.app.state, "owns_engine", False) and getattr(engine, "replicas", None):
+            engine.shutdown()
 
     def __enter__(self) -> ServerThread:
         return self.start()
