@@ -16,8 +16,8 @@
 # Settings: BACKENDS="xgrammar llguidance" CONCURRENCY=64 NUM_REQUESTS=256 MAX_TOKENS=256 PROMPT_LEN=64
 #   REPEATS=3 (interleaved unconstrained/constrained pairs; the ratio is their median: one pair varies by 0.1-0.2)
 #   SERVE_ARGS="" (extra arguments of pagoda serve, e.g. --no-async-scheduling)
-#   ENGINE_PROCESS="0" (0: the engine on a thread of the server; 1: pagoda serve --engine-process; "0 1": one
-#   server each, in that order, results bench-<backend>-c<N>[-process].json)
+#   ENGINE_PROCESS="1" (1: the engine in its own process, pagoda serve's default; 0: on a thread of the server,
+#   --no-engine-process; "0 1": one server each, in that order, results bench-<backend>-c<N>[-thread].json)
 #   CLIENT_PROCESSES="1" (bench serve --client-processes; several values: one bench each, bench-<backend>-c<N>.json)
 #   OFFLINE=1 (first the engine alone: pagoda bench throughput, unconstrained and --structured-outputs json,
 #   at the same concurrency; offline-*.json)
@@ -52,9 +52,9 @@ if [ "${OFFLINE:-1}" = 1 ]; then  # the engine alone (LLM.generate), same reques
   done
 fi
 for backend in $BACKENDS; do
-  for process in ${ENGINE_PROCESS:-0}; do
-    suffix=""; flag=""
-    [ "$process" = 1 ] && suffix="-process" && flag="--engine-process"
+  for process in ${ENGINE_PROCESS:-1}; do
+    suffix="-thread"; flag="--no-engine-process"
+    [ "$process" = 1 ] && suffix="" && flag="--engine-process"
     say "serve qwen3-0.6b shape (dummy weights), structured_outputs_backend=$backend ${flag}"
     # shellcheck disable=SC2086
     $PY -m pagoda.cli.main serve --model "$MODEL" --load-format dummy --port "$PORT" --max-num-seqs 128 \

@@ -32,10 +32,10 @@ def load(path: Path) -> dict[str, list[tuple[list[str], int]]]:
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
-        frames, thread = stack.split(";"), "main"
+        frames, names = stack.split(";"), []
         while frames and frames[0].startswith(("process ", "thread ")):  # [process;][thread;]frames
-            thread = frames.pop(0)
-        threads[thread].append(([short(f) for f in frames], int(count)))
+            names.append(frames.pop(0))  # (--subprocesses: each process's threads apart)
+        threads[" / ".join(names) or "main"].append(([short(f) for f in frames], int(count)))
     return threads
 
 
