@@ -98,3 +98,21 @@ def test_detokenizer_flushes_a_split_character_when_the_sequence_ends():
     seq.status = SequenceStatus.FINISHED_LENGTH
     detok.step([seq])
     assert seq.text == "\ufffd"
+
+
+def test_the_flags_the_engine_reads_every_step_follow_assigned_fields():
+    """needs_processing, argmax_only and samples_on_device are computed once per SamplingParams (the engine
+    reads them for every row of every step) and recomputed after a field is assigned."""
+    import dataclasses
+    import pickle
+
+    params = SamplingParams(temperature=0)
+    assert params.argmax_only and params.samples_on_device and not params.needs_processing
+    params.repetition_penalty = 1.3  # (a server route may set fields after building the params)
+    assert params.needs_penalties and params.needs_processing
+    assert not params.argmax_only and not params.samples_on_device
+    params.repetition_penalty, params.logprobs = 1.0, 2
+    assert not params.needs_processing and not params.argmax_only and not params.samples_on_device
+    copy = pickle.loads(pickle.dumps(params))
+    assert copy == params and not copy.samples_on_device
+    assert dataclasses.replace(params, logprobs=None).argmax_only
