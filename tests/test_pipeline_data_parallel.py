@@ -11,8 +11,8 @@ import sys
 
 import pytest
 from pagoda import LLM, SamplingParams
-from pagoda.distributed.data_parallel import AFFINITY_SLACK, choose_replica
 from pagoda.distributed.pipeline_parallel import layer_ranges
+from pagoda.distributed.replicas import AFFINITY_SLACK, choose_replica
 from pagoda.engine.executor.failures import WorkerError
 from pagoda.errors import ConfigError
 from pagoda.testing import hf_greedy_tokens, make_tiny_checkpoint, random_prompts

@@ -33,6 +33,7 @@ from typing import Any
 from pagoda.config import EngineConfig
 from pagoda.distributed.dp_replica import ENV_ADDRESS, ENV_AUTHKEY, ENV_INDEX
 from pagoda.distributed.output_deltas import OutputReceiver
+from pagoda.distributed.replicas import Replica, SchedulerView, choose_replica
 from pagoda.engine.executor.failures import WorkerError, describe_exit
 from pagoda.engine.prompt_ids import check_prompt_ids, truncate_prompt_ids
 from pagoda.engine.prompt_ids import prompt_token_ids as prompt_ids
@@ -44,58 +45,8 @@ from pagoda.selection import model_takes_images
 logger = logging.getLogger("pagoda")
 STARTUP_TIMEOUT_S = 900.0
 STREAM_WAIT_S = 0.02  # streaming: how long a step waits for outputs before the server's commands run
-AFFINITY_SLACK = 4  # requests a prefix's replica may be ahead of the least loaded one (x2 + this)
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                   "GROUP_RANK", "TORCHELASTIC_RUN_ID")
-
-
-def choose_replica(loads: list[float], preferred: int | None) -> int:
-    """The replica for a request: ``preferred`` (its prefix's) unless much more loaded."""
-    least = min(range(len(loads)), key=lambda i: (loads[i], i))
-    if preferred is not None and loads[preferred] <= 2 * loads[least] + AFFINITY_SLACK:
-        return preferred
-    return least
-
-
-class _Seat:
-    __slots__ = ("request_id",)
-
-    def __init__(self, request_id: str):
-        self.request_id = request_id
-
-
-class _SchedulerView:
-    """What the server's ``AsyncEngine`` reads of a scheduler (its queue limit, ``max_queued_requests``):
-    each replica's unfinished requests, the first ``max_num_seqs`` of them running and the rest waiting
-    (the front does not see the replicas' queues; requests with n > 1 count once)."""
-
-    def __init__(self, replicas: list[_Replica], max_num_seqs: int, max_num_batched_tokens: int | None):
-        self._replicas, self._seats = replicas, max_num_seqs
-        self.max_num_seqs, self.max_num_batched_tokens = len(replicas) * max_num_seqs, max_num_batched_tokens
-
-    @property
-    def running(self) -> list[_Seat]:
-        return [_Seat(rid) for r in self._replicas for rid in list(r.unfinished)[:self._seats]]
-
-    @property
-    def waiting(self) -> list[_Seat]:
-        return [_Seat(rid) for r in self._replicas for rid in list(r.unfinished)[self._seats:]]
-
-
-class _Replica:
-    def __init__(self, index: int, proc: subprocess.Popen):
-        self.index, self.proc = index, proc
-        self.conn: Any = None
-        self.unfinished: set[str] = set()
-        self.stats: dict = {}
-        self.choices: str | None = None  # what its engine chose on the CPU (pagoda.cli.serve.cpu_choices)
-
-    def kv_usage(self) -> float:
-        total = self.stats.get("kv_blocks_total") or 0
-        return self.stats.get("kv_blocks_used", 0) / total if total else 0.0
-
-    def describe(self) -> str:
-        return f"data-parallel replica {self.index} (pid {self.proc.pid})"
 
 
 class DataParallelEngine:
@@ -129,13 +80,13 @@ class DataParallelEngine:
         port = self._listener.address[1]
         env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
         env.update({ENV_ADDRESS: f"127.0.0.1:{port}", ENV_AUTHKEY: authkey.hex()})
-        self.replicas: list[_Replica] = []
+        self.replicas: list[Replica] = []
         for i in range(size):
             extra = {ENV_INDEX: str(i)}
             if devices is not None:
                 extra[self.platform.visible_devices_env] = ",".join(devices[i])
             proc = subprocess.Popen([sys.executable, "-m", "pagoda.distributed.dp_replica"], env={**env, **extra})
-            self.replicas.append(_Replica(i, proc))
+            self.replicas.append(Replica(i, proc))
         self._finalizer = weakref.finalize(self, _stop, self.replicas, self._listener)
         self.error: WorkerError | None = None
         self._receiver = OutputReceiver()  # the replicas send deltas (pagoda.distributed.output_deltas)
@@ -155,7 +106,7 @@ class DataParallelEngine:
 
         self.eos_token_ids = LLMEngine._eos_ids(self)
         self.controls = RequestControls(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids, config)
-        self.scheduler = _SchedulerView(self.replicas, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = SchedulerView(self.replicas, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = None
         # (the server serves runner: pooling and models that take images from one engine in its own process:
         # pagoda.server.runner; to this front every model is text-only)
@@ -219,26 +170,26 @@ class DataParallelEngine:
             if code is not None:
                 self._fail(replica, f"{describe_exit(code)} {what}")
 
-    def _fail(self, replica: _Replica, what: str) -> None:
+    def _fail(self, replica: Replica, what: str) -> None:
         self.error = WorkerError(f"{replica.describe()} {what}. The engine has stopped; create a new one.",
                                  [replica.index])
         self._finalizer()
         raise self.error
 
-    def _recv(self, replica: _Replica, what: str) -> Any:
+    def _recv(self, replica: Replica, what: str) -> Any:
         try:
             return replica.conn.recv()
         except (EOFError, OSError):
             replica.proc.wait(5.0)
             self._fail(replica, f"{describe_exit(replica.proc.poll())} {what}")
 
-    def _send(self, replica: _Replica, message: tuple) -> None:
+    def _send(self, replica: Replica, message: tuple) -> None:
         try:
             replica.conn.send(message)
         except OSError:
             self._fail(replica, "is gone (its connection closed)")
 
-    def _handle(self, replica: _Replica, message: tuple, what: str) -> list[RequestOutput]:
+    def _handle(self, replica: Replica, message: tuple, what: str) -> list[RequestOutput]:
         kind = message[0]
         if kind == "crashed":
             self._fail(replica, f"raised {message[1]} {what}")
@@ -431,7 +382,7 @@ class DataParallelEngine:
         self._finalizer()
 
 
-def _stop(replicas: list[_Replica], listener: Listener) -> None:
+def _stop(replicas: list[Replica], listener: Listener) -> None:
     for replica in replicas:
         if replica.conn is not None:
             try:
