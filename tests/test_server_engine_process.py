@@ -161,3 +161,36 @@ def test_the_flag_and_its_default():
     assert server_config_from_args(parser.parse_args(["serve", "--engine-process"])).engine_process is True
     assert server_config_from_args(parser.parse_args(["serve", "--no-engine-process"])).engine_process is False
     assert ServerConfig().engine_process is None  # chosen from what the engine serves
+
+
+def test_a_model_that_fails_to_load_in_the_engine_process_is_the_same_error(model, tmp_path):
+    """An error the user can fix, raised while the engine process builds its engine, comes back as it is (the
+    CLI prints its message, no traceback), not as a failed replica."""
+    import shutil
+
+    from pagoda.errors import ModelLoadError
+
+    broken = tmp_path / "broken"
+    shutil.copytree(model, broken)
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchForCausalLM"]}))
+    with pytest.raises(ModelLoadError, match="NoSuchForCausalLM has no native pagoda implementation"):
+        build_app(EngineConfig(model=str(broken), model_impl="pagoda", **ENGINE), ServerConfig())
+
+
+def test_a_killed_engine_process_is_named_and_the_server_answers_503(model):
+    import signal
+    import time
+
+    import httpx
+
+    app = build_app(EngineConfig(model=str(model), **ENGINE), ServerConfig(served_model_name="tiny"))
+    with ServerThread(app) as srv:
+        (replica,) = app.state.async_engine.engine.replicas
+        os.kill(replica.proc.pid, signal.SIGKILL)
+        replica.proc.wait(10)
+        time.sleep(0.1)
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4},
+                       timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed", r.text
+        assert f"the engine process (pid {replica.proc.pid}) was killed by SIGKILL" in r.json()["error"]["message"]

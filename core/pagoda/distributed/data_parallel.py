@@ -86,7 +86,7 @@ class DataParallelEngine:
             if devices is not None:
                 extra[self.platform.visible_devices_env] = ",".join(devices[i])
             proc = subprocess.Popen([sys.executable, "-m", "pagoda.distributed.dp_replica"], env={**env, **extra})
-            self.replicas.append(Replica(i, proc))
+            self.replicas.append(Replica(i, proc, alone=size == 1))
         self._finalizer = weakref.finalize(self, _stop, self.replicas, self._listener)
         self.error: WorkerError | None = None
         self._receiver = OutputReceiver()  # the replicas send deltas (pagoda.distributed.output_deltas)
@@ -168,7 +168,7 @@ class DataParallelEngine:
         for replica in self.replicas:
             code = replica.proc.poll()
             if code is not None:
-                self._fail(replica, f"{describe_exit(code)} {what}")
+                self._fail(replica, f"{describe_exit(code)} {what}".rstrip())
 
     def _fail(self, replica: Replica, what: str) -> None:
         self.error = WorkerError(f"{replica.describe()} {what}. The engine has stopped; create a new one.",
@@ -192,6 +192,9 @@ class DataParallelEngine:
     def _handle(self, replica: Replica, message: tuple, what: str) -> list[RequestOutput]:
         kind = message[0]
         if kind == "crashed":
+            if message[3] is not None:  # the user's error while the engine was being built (pagoda.errors)
+                self._finalizer()
+                raise message[3]
             self._fail(replica, f"raised {message[1]} {what}")
         if kind == "ready":
             replica.stats, self.parameter_count, replica.choices = message[1], message[2], message[3]

@@ -89,6 +89,17 @@ def _lora(engine, op: str, arg) -> str | None:
     return None
 
 
+def _travels(exc: BaseException) -> bool:
+    """Whether the exception comes back whole through pickle (else the front gets its message only)."""
+    import pickle
+
+    try:
+        back = pickle.loads(pickle.dumps(exc))
+    except Exception:  # noqa: BLE001 - e.g. an __init__ whose arguments are not the exception's args
+        return False
+    return type(back) is type(exc) and str(back) == str(exc)
+
+
 def _choices(engine) -> str | None:
     """What the engine chose where the platform chooses for the user (the CPU: threads, step budget), for
     the front to print as ``pagoda serve`` does for an engine of its own."""
@@ -120,11 +131,17 @@ def main() -> int:
     except (EOFError, ConnectionError):  # the front went away: nothing to report to
         pass
     except BaseException as exc:  # noqa: BLE001 - reported to the front, then the process ends
+        from pagoda.errors import PagodaError
+
+        # an error the user can fix (a config key, a model that does not load, a plugin) goes back as it is: the
+        # front raises it and `pagoda serve` prints its message, as with the engine in the server's process
+        named = exc if isinstance(exc, PagodaError) and engine is None and _travels(exc) else None
         try:
-            conn.send(("crashed", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+            conn.send(("crashed", f"{type(exc).__name__}: {exc}", traceback.format_exc(), named))
         except Exception:
             pass
-        traceback.print_exc()
+        if named is None:
+            traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
     finally:

@@ -44,8 +44,8 @@ class SchedulerView:
 
 
 class Replica:
-    def __init__(self, index: int, proc: subprocess.Popen):
-        self.index, self.proc = index, proc
+    def __init__(self, index: int, proc: subprocess.Popen, alone: bool = False):
+        self.index, self.proc, self.alone = index, proc, alone  # alone: the server's one engine process
         self.conn: Any = None
         self.unfinished: set[str] = set()
         self.stats: dict = {}
@@ -56,4 +56,5 @@ class Replica:
         return self.stats.get("kv_blocks_used", 0) / total if total else 0.0
 
     def describe(self) -> str:
-        return f"data-parallel replica {self.index} (pid {self.proc.pid})"
+        return f"the engine process (pid {self.proc.pid})" if self.alone else \
+            f"data-parallel replica {self.index} (pid {self.proc.pid})"

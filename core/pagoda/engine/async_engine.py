@@ -22,6 +22,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from pagoda.engine.executor.failures import WorkerError
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.errors import PagodaError
 from pagoda.outputs import RequestOutput
@@ -252,6 +253,9 @@ class AsyncEngine:
                 self.engine.add_request(rid, prompt, params, prompt_token_ids=prompt_token_ids,
                                         arrival_time=arrival, mm_inputs=mm_inputs,
                                         lora_request=lora_request)
+            except WorkerError as exc:  # the engine itself is gone (a rank, an engine process): it stops
+                _resolve(loop, accepted, exc=EngineFailedError(f"the engine failed: {type(exc).__name__}: {exc}"))
+                raise
             except BaseException as exc:  # a bad request: refuse it, change nothing else
                 _resolve(loop, accepted, exc=exc)
                 return
@@ -341,6 +345,8 @@ class AsyncEngine:
             for command in commands:
                 try:
                     command()
+                except WorkerError:  # the engine is gone: the loop stops (_run)
+                    raise
                 except Exception:  # commands resolve their own futures; a bug here must not kill the loop
                     logger.exception("an engine command failed")
             if stop:
