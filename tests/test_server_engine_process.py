@@ -131,15 +131,13 @@ def test_the_queue_limit_counts_the_requests_the_replica_has_no_seat_for(model):
     assert all(r.proc.poll() is not None for r in app.state.async_engine.engine.replicas)  # ended with the server
 
 
-def test_pooling_runs_in_the_servers_process_or_is_refused_when_asked_for():
+def test_lora_and_pooling_pass_through_the_front():
     from pagoda.server.runner import engines_own_process
 
-    config = EngineConfig(model="/nonexistent/model", **ENGINE, runner="pooling")  # never loaded: refused first
-    with pytest.raises(ConfigError, match="runner: pooling.*server.engine_process"):
-        build_app(config, ServerConfig(engine_process=True))
-    assert engines_own_process(config, ServerConfig()) is False  # unset: the engine on a thread
-    lora = EngineConfig(model="/nonexistent/model", **ENGINE, enable_lora=True)
-    assert engines_own_process(lora, ServerConfig(lora_modules=["a=/nowhere"])) is True  # the front carries LoRA
+    for extra, server in (({"runner": "pooling"}, ServerConfig()),
+                          ({"enable_lora": True}, ServerConfig(lora_modules=["a=/nowhere"]))):
+        config = EngineConfig(model="/nonexistent/model", **ENGINE, **extra)  # (never loaded)
+        assert engines_own_process(config, server) is True
 
 
 def test_a_model_that_takes_images_runs_in_the_servers_process_by_default(tmp_path):

@@ -23,6 +23,7 @@ def checkpoint(tmp_path_factory):
 def server(checkpoint):
     engine = EngineConfig(model=str(checkpoint[0]), served_model_name=MODEL, **POOLING)
     with ServerThread(build_app(engine, ServerConfig())) as srv:
+        assert hasattr(srv.app.state.async_engine.engine, "replicas")  # the default: the engine in its own process
         yield srv
 
 
@@ -120,12 +121,16 @@ def test_a_generating_server_answers_the_pooling_routes(checkpoint, tmp_path):
 
     decoder = make_tiny_checkpoint("qwen3", tmp_path / "gen", seed=1, tokenizer=True, **QWEN3)
     engine = EngineConfig(model=str(decoder), **{**POOLING, "runner": "generate", "normalize": None})
-    client = TestClient(build_app(engine, ServerConfig()))  # (refused before the engine loop is needed)
-    for route, body in (("/v1/embeddings", {"input": "hi"}), ("/v1/rerank", {"query": "q", "documents": ["d"]}),
-                        ("/api/embed", {"model": "gen", "input": "hi"})):
-        r = client.post(route, json=body)
-        assert r.status_code == 400, (route, r.text)
-        assert "--runner pooling" in r.text and "unsupported_task" in r.text
+    app = build_app(engine, ServerConfig())
+    client = TestClient(app)  # (refused before the engine loop is needed)
+    try:
+        for route, body in (("/v1/embeddings", {"input": "hi"}), ("/v1/rerank", {"query": "q", "documents": ["d"]}),
+                            ("/api/embed", {"model": "gen", "input": "hi"})):
+            r = client.post(route, json=body)
+            assert r.status_code == 400, (route, r.text)
+            assert "--runner pooling" in r.text and "unsupported_task" in r.text
+    finally:
+        app.state.async_engine.engine.shutdown()
 
 
 def test_pooling_requests_are_counted_in_the_request_metrics(server):
@@ -146,3 +151,22 @@ def test_pooling_requests_are_counted_in_the_request_metrics(server):
     after = (sample("pagoda_requests_finished_total", finish_reason="stop"), sample("pagoda_prompt_tokens_total"),
              sample("pagoda_e2e_request_latency_seconds_count"), sample("pagoda_generation_tokens_total"))
     assert [b - a for a, b in zip(before, after)] == [2, 7, 2, 0]
+
+
+def test_pooling_over_two_data_parallel_replicas_gives_the_same_numbers(checkpoint):
+    """The front of engines in other processes carries pooling: LLM.embed and LLM.score over two replicas equal
+    one engine's (the pooled tensors cross processes as arrays)."""
+    from pagoda import LLM
+
+    docs = ["the cat sat", "a dog ran far away", "tea", "some other words here"]
+    results = []
+    for size in (1, 2):
+        llm = LLM(model=str(checkpoint[0]), data_parallel_size=size, **{**POOLING, "runner": "pooling"})
+        try:
+            results.append(([o.outputs.embedding for o in llm.embed(docs)],
+                            [o.outputs.score for o in llm.score("which animal?", docs)]))
+        finally:
+            llm.shutdown()
+    (embed_1, score_1), (embed_2, score_2) = results
+    assert torch.allclose(torch.tensor(embed_1), torch.tensor(embed_2), atol=1e-5)
+    assert torch.allclose(torch.tensor(score_1), torch.tensor(score_2), atol=1e-5)

@@ -39,6 +39,8 @@ from pagoda.engine.prompt_ids import check_prompt_ids, truncate_prompt_ids
 from pagoda.engine.prompt_ids import prompt_token_ids as prompt_ids
 from pagoda.errors import ConfigError, RequestError
 from pagoda.outputs import CompletionOutput, RequestOutput
+from pagoda.pooling.engine import check_pooling_params, fit_prompt, refuse_pooling_on_a_generator
+from pagoda.pooling.params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 from pagoda.selection import model_takes_images
 
@@ -108,9 +110,8 @@ class DataParallelEngine:
         self.controls = RequestControls(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids, config)
         self.scheduler = SchedulerView(self.replicas, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = None
-        # (the server serves runner: pooling and models that take images from one engine in its own process:
-        # pagoda.server.runner; to this front every model is text-only)
-        self.pooling = None
+        # (a server runs models that take images on one engine of its own: pagoda.server.runner)
+        self.pooling = self.replicas[0].pooling  # runner: pooling: what the server reads of it
         self.mm_processor = None
         self.takes_images = model_takes_images(self.source, self.hf_config, config.model_impl)
         self._step_timeout = 60.0 if finished_only else STREAM_WAIT_S
@@ -197,7 +198,7 @@ class DataParallelEngine:
                 raise message[3]
             self._fail(replica, f"raised {message[1]} {what}")
         if kind == "ready":
-            replica.stats, self.parameter_count, replica.choices = message[1], message[2], message[3]
+            replica.stats, self.parameter_count, replica.choices, replica.pooling = message[1:5]
             return []
         if kind == "stats":
             replica.stats = message[1]
@@ -233,8 +234,14 @@ class DataParallelEngine:
         self._check_alive("")
         if multi_modal_data is not None or mm_inputs is not None:
             self.process_multimodal([], [(None, "multi_modal_data")])
-        params = params or SamplingParams()
-        params.validate(self.config.max_logprobs, vocab_size=self.hf_config.vocab_size, max_n=self.config.max_n)
+        pooled = self.pooling is not None or isinstance(params, PoolingParams)
+        if pooled:  # (the checks of pagoda.pooling.engine, here so that refusals stay 400s)
+            if self.pooling is None:
+                refuse_pooling_on_a_generator()
+            check_pooling_params(params, self.pooling.head is not None, self.pooling.hidden_size)
+        else:
+            params = params or SamplingParams()
+            params.validate(self.config.max_logprobs, vocab_size=self.hf_config.vocab_size, max_n=self.config.max_n)
         if lora_request is not None and not self.config.enable_lora:  # (the replica loads and checks the adapter)
             raise RequestError(f"LoRA adapter {getattr(lora_request, 'lora_name', lora_request)!r} requested but "
                                f"this engine was started without enable_lora (--enable-lora)", field="lora_request")
@@ -245,9 +252,12 @@ class DataParallelEngine:
             raise RequestError(f"request id {request_id!r} is already in use", field="request_id")
         text = prompt if isinstance(prompt, str) else None
         prompt_token_ids = prompt_ids(prompt, prompt_token_ids, self._tokenize)
-        prompt_token_ids = truncate_prompt_ids(prompt_token_ids, params.truncate_prompt_tokens, self.max_model_len)
+        if pooled:
+            prompt_token_ids = fit_prompt(prompt_token_ids, self.max_model_len, params.truncate_prompt_tokens, "prompt")
+        else:
+            prompt_token_ids = truncate_prompt_ids(prompt_token_ids, params.truncate_prompt_tokens, self.max_model_len)
         check_prompt_ids(prompt_token_ids, self.hf_config.vocab_size)
-        if len(prompt_token_ids) >= self.max_model_len:
+        if not pooled and len(prompt_token_ids) >= self.max_model_len:
             raise RequestError(f"the prompt has {len(prompt_token_ids)} tokens; this model's max_model_len "
                                f"is {self.max_model_len}, which leaves no room for output", field="prompt")
         block = self.config.block_size

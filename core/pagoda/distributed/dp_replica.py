@@ -126,7 +126,9 @@ def main() -> int:
         engine = LLMEngine(EngineConfig.model_validate_json(config_json))
         model = getattr(engine.runner, "model", None)
         params = sum(p.numel() for p in model.parameters()) if model is not None else 0
-        conn.send(("ready", engine.get_stats(), params, _choices(engine)))
+        from pagoda.distributed.replicas import PoolingView
+
+        conn.send(("ready", engine.get_stats(), params, _choices(engine), PoolingView.of(engine)))
         serve(conn, engine, finished_only)
     except (EOFError, ConnectionError):  # the front went away: nothing to report to
         pass

@@ -13,10 +13,14 @@ output passed, or when it is aborted.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
+import numpy as np
+import torch
+
 from pagoda.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagoda.pooling.outputs import PoolingOutput, PoolingRequestOutput
 
 # The wire format is plain tuples: pickling 64 dataclass deltas took 9x as long as the same data in tuples
 # (178 against 20 us on the development machine, each step, on the engine's critical path).
@@ -58,6 +62,8 @@ class OutputSender:
             self._sent.pop(rid, None)
 
     def _encode(self, out: RequestOutput):
+        if isinstance(out, PoolingRequestOutput):  # finished at once; its tensor as an array (see _pooled)
+            return _pooled(out)
         known = self._sent.pop(out.request_id, None)
         if not out.finished:
             self._sent[out.request_id] = ({c.index: _record(c) for c in out.outputs},
@@ -69,6 +75,15 @@ class OutputSender:
         return (DELTA, out.request_id, out.finished, tuple(_delta(c, sent.get(c.index)) for c in out.outputs),
                 None if metrics is None else tuple(getattr(metrics, f) for f in _METRICS), out.num_cached_tokens,
                 out.extra or None, out.error, None if had_prompt_logprobs else out.prompt_logprobs)
+
+
+def _pooled(out: PoolingRequestOutput) -> PoolingRequestOutput:
+    """A pooling output whose tensor travels as a numpy array: multiprocessing pickles a CPU tensor as a
+    handle to shared memory that the other process must fetch from this one (and may not: its key differs)."""
+    data = out.outputs.data if out.outputs is not None else None
+    if isinstance(data, torch.Tensor):
+        return replace(out, outputs=PoolingOutput(data.numpy()))
+    return out
 
 
 def _record(c: CompletionOutput) -> _Sent:
@@ -119,6 +134,8 @@ class OutputReceiver:
                                 prompt_logprobs=last.prompt_logprobs if prompt_logprobs is None else prompt_logprobs)
         else:
             out = item
+            if isinstance(out, PoolingRequestOutput) and isinstance(getattr(out.outputs, "data", None), np.ndarray):
+                out = replace(out, outputs=PoolingOutput(torch.from_numpy(out.outputs.data)))
         if out.finished:
             self._last.pop(out.request_id, None)
         else:

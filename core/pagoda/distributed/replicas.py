@@ -5,6 +5,7 @@ server's ``AsyncEngine`` reads as a scheduler's (``SchedulerView``)."""
 from __future__ import annotations
 
 import subprocess
+from dataclasses import dataclass
 from typing import Any
 
 AFFINITY_SLACK = 4  # requests a prefix's replica may be ahead of the least loaded one (x2 + this)
@@ -50,6 +51,7 @@ class Replica:
         self.unfinished: set[str] = set()
         self.stats: dict = {}
         self.choices: str | None = None  # what its engine chose on the CPU (pagoda.cli.serve.cpu_choices)
+        self.pooling: PoolingView | None = None  # its engine's, with runner: pooling
 
     def kv_usage(self) -> float:
         total = self.stats.get("kv_blocks_total") or 0
@@ -58,3 +60,25 @@ class Replica:
     def describe(self) -> str:
         return f"the engine process (pid {self.proc.pid})" if self.alone else \
             f"data-parallel replica {self.index} (pid {self.proc.pid})"
+
+
+@dataclass(frozen=True)
+class PoolingHead:
+    num_labels: int
+
+
+@dataclass(frozen=True)
+class PoolingView:
+    """What the server reads of a pooling engine (``runner: pooling``) in another process."""
+
+    tasks: tuple[str, ...]
+    hidden_size: int
+    head: PoolingHead | None
+
+    @classmethod
+    def of(cls, engine) -> PoolingView | None:
+        pooling = engine.pooling
+        if pooling is None:
+            return None
+        head = PoolingHead(int(pooling.head.num_labels)) if pooling.head is not None else None
+        return cls(tuple(pooling.tasks), pooling.hidden_size, head)

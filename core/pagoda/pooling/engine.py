@@ -74,18 +74,7 @@ class PoolingEngine:
     def add_request(self, request_id: str, prompt, params, prompt_token_ids: list[int] | None,
                     arrival_time: float | None) -> str:
         engine = self.engine
-        if not isinstance(params, PoolingParams):
-            raise RequestError("this server runs a pooling model (runner: pooling): it computes embeddings and "
-                               "scores, not text; use /v1/embeddings, /v1/rerank, /v1/score or /api/embed (offline: "
-                               "LLM.embed, LLM.score, LLM.classify)", field="prompt", code=UNSUPPORTED)
-        params.validate()
-        if params.task != "embed" and self.head is None:
-            raise RequestError(f"task {params.task!r} needs a score head and this model has none (it serves "
-                               f"embeddings): load a *ForSequenceClassification checkpoint or set "
-                               f"classifier_from_token", field="task", code=UNSUPPORTED)
-        if params.task == "embed" and params.dimensions is not None and params.dimensions > self.hidden_size:
-            raise RequestError(f"dimensions={params.dimensions} is over this model's embedding size "
-                               f"{self.hidden_size}", field="dimensions")
+        check_pooling_params(params, self.head is not None, self.hidden_size)
         if request_id in engine.requests:
             raise RequestError(f"request id {request_id!r} is already in use", field="request_id")
         text = prompt if isinstance(prompt, str) else None
@@ -191,12 +180,33 @@ def forward_hidden(runner, out) -> tuple[torch.Tensor, list[int]]:
     return hidden, starts
 
 
+def check_pooling_params(params, has_head: bool, hidden_size: int) -> None:
+    """A pooling engine's checks of a request's parameters (also made by the front of engines in other
+    processes, ``pagoda.distributed.data_parallel``, so that its refusals are the same 400s)."""
+    if not isinstance(params, PoolingParams):
+        raise RequestError("this server runs a pooling model (runner: pooling): it computes embeddings and "
+                           "scores, not text; use /v1/embeddings, /v1/rerank, /v1/score or /api/embed (offline: "
+                           "LLM.embed, LLM.score, LLM.classify)", field="prompt", code=UNSUPPORTED)
+    params.validate()
+    if params.task != "embed" and not has_head:
+        raise RequestError(f"task {params.task!r} needs a score head and this model has none (it serves "
+                           f"embeddings): load a *ForSequenceClassification checkpoint or set "
+                           f"classifier_from_token", field="task", code=UNSUPPORTED)
+    if params.task == "embed" and params.dimensions is not None and params.dimensions > hidden_size:
+        raise RequestError(f"dimensions={params.dimensions} is over this model's embedding size "
+                           f"{hidden_size}", field="dimensions")
+
+
+def refuse_pooling_on_a_generator() -> None:
+    raise RequestError("this server runs a generative model (runner: generate): embeddings and scores need a "
+                       "pooling model; start it with --runner pooling (runner: pooling)", field="model",
+                       code=UNSUPPORTED)
+
+
 def add_pooling_request(engine, request_id, prompt, params, prompt_token_ids, arrival_time) -> str:
     """``LLMEngine.add_request`` for a pooling engine, or for PoolingParams sent to a generator."""
     if engine.pooling is None:
-        raise RequestError("this server runs a generative model (runner: generate): embeddings and scores need a "
-                           "pooling model; start it with --runner pooling (runner: pooling)", field="model",
-                           code=UNSUPPORTED)
+        refuse_pooling_on_a_generator()
     if request_id is None:
         request_id = f"req-{next(engine._counter)}"
     return engine.pooling.add_request(request_id, prompt, params, prompt_token_ids, arrival_time)

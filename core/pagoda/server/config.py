@@ -56,9 +56,9 @@ class ServerConfig(BaseModel):
     engine_process: bool | None = Field(None, description="run the engine in its own process (the data-"
                                         "parallel front with one replica) instead of a thread of the server's: "
                                         "the HTTP server's work and the engine's host work then run in parallel "
-                                        "instead of taking turns on one GIL. Unset: on, unless the engine runs "
-                                        "runner: pooling or a model that takes images, which the front does not "
-                                        "carry yet (those run on a thread); true with them is refused at start")
+                                        "instead of taking turns on one GIL. Unset: on, unless the model takes "
+                                        "images, which the front does not carry yet (it then runs on a thread); "
+                                        "true with one is refused at start")
     # images in requests (docs/multimodal.md)
     media_fetch: bool = Field(True, description="fetch http(s) image URLs of chat image_url parts; off: only "
                               "data: URLs are accepted (a fetched URL is a 400)")

@@ -94,7 +94,7 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig):
 
 def engines_own_process(engine_config: EngineConfig, server_config: ServerConfig) -> bool:
     """Whether one engine runs in its own process: ``engine_process``, or where it is unset, whenever the
-    front carries everything the engine serves (not yet pooling or images)."""
+    front carries everything the engine serves (not yet images)."""
     if server_config.engine_process is not None:
         return server_config.engine_process
     return front_refuses(engine_config, server_config) is None
@@ -102,8 +102,6 @@ def engines_own_process(engine_config: EngineConfig, server_config: ServerConfig
 
 def front_refuses(engine_config: EngineConfig, server_config: ServerConfig) -> str | None:
     """What the front of engines in other processes does not serve yet (None: nothing)."""
-    if engine_config.runner == "pooling":
-        return "runner: pooling"
     if _takes_images(engine_config):
         return "a model that takes images"
     return None
