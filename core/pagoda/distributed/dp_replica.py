@@ -9,8 +9,8 @@ tensor/pipeline parallel and start its own ranks), then serves messages:
 - ``("add", request_id, prompt, prompt_token_ids, params, arrival_time, lora_request)``: queue a request;
   an error is answered with ``("failed", request_id, message)``;
 - ``("lora", "load" | "remove", LoRARequest | adapter id)``: answered ``("done", None | the refusal)``;
-- ``("abort", [request ids])``, ``("stats",)`` (answered ``("stats", dict)``, also sent unasked when the
-  replica goes idle), ``("stop",)``;
+- ``("abort", [request ids])``, ``("stats",)`` (answered ``("stats", dict)``, also sent unasked when an abort
+  leaves the replica idle), ``("stop",)``;
 - ``("mode", finished_only)``: what to send after each step (the server streams every output).
 
 While it has requests it steps and sends ``("outputs", [RequestOutput | delta], stats or None)``
@@ -39,13 +39,10 @@ def serve(conn, engine, finished_only: bool) -> None:
     from pagoda.distributed.output_deltas import OutputSender
 
     sender = OutputSender()  # each step's outputs as what is new since the last (the front rebuilds them)
-    busy, stats_sent = False, 0.0
+    stats_sent = 0.0
     while True:
         # block for the next message when idle; between steps, only read what is there
         while not engine.has_unfinished_requests() or conn.poll(0):
-            if busy and not engine.has_unfinished_requests():  # idle now (aborts): the front's stats say so
-                conn.send(("stats", engine.get_stats()))
-            busy = engine.has_unfinished_requests()
             message = conn.recv()
             kind = message[0]
             if kind == "stop":
@@ -62,6 +59,8 @@ def serve(conn, engine, finished_only: bool) -> None:
             elif kind == "abort":
                 engine.abort_request(message[1])
                 sender.forget(message[1])
+                if not engine.has_unfinished_requests():  # idle now: no step will send stats, so they go here
+                    conn.send(("stats", engine.get_stats()))
             elif kind == "stats":
                 conn.send(("stats", engine.get_stats()))
             elif kind == "mode":

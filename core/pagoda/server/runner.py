@@ -72,12 +72,19 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig):
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.server.app import create_app
 
-    if engine_config.data_parallel_size > 1 or engines_own_process(engine_config, server_config):
+    size = engine_config.data_parallel_size
+    # (read once, where it decides something: it opens the checkpoint's config)
+    takes_images = _takes_images(engine_config) if size > 1 or server_config.engine_process is not False else False
+    if size > 1 or engines_own_process(engine_config, server_config, takes_images):
         # replicas in their own processes behind this front (pagoda.distributed.data_parallel); engine_process:
         # one replica, so that the HTTP server and the engine do not share a GIL
         from pagoda.distributed.data_parallel import DataParallelEngine
 
-        check_front_supports(engine_config, server_config)
+        if takes_images:  # refused before the model loads: images do not pass the front yet
+            why, fix = ("server.engine_process", "engine_process: false") if size == 1 else \
+                (f"data_parallel_size={size}", "data_parallel_size: 1, engine_process: false")
+            raise ConfigError(f"a model that takes images: not served with {why} yet; serve it from one engine "
+                              f"in the server's process ({fix})")
         engine = DataParallelEngine(engine_config, finished_only=False)
     else:
         engine = LLMEngine(engine_config)
@@ -92,30 +99,14 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig):
     return app
 
 
-def engines_own_process(engine_config: EngineConfig, server_config: ServerConfig) -> bool:
+def engines_own_process(engine_config: EngineConfig, server_config: ServerConfig,
+                        takes_images: bool | None = None) -> bool:
     """Whether one engine runs in its own process: ``engine_process``, or where it is unset, whenever the
-    front carries everything the engine serves (not yet images)."""
+    front carries everything the engine serves (all but a model that takes images). ``takes_images``: as
+    read already (None: read it here)."""
     if server_config.engine_process is not None:
         return server_config.engine_process
-    return front_refuses(engine_config, server_config) is None
-
-
-def front_refuses(engine_config: EngineConfig, server_config: ServerConfig) -> str | None:
-    """What the front of engines in other processes does not serve yet (None: nothing)."""
-    if _takes_images(engine_config):
-        return "a model that takes images"
-    return None
-
-
-def check_front_supports(engine_config: EngineConfig, server_config: ServerConfig) -> None:
-    """Refuse, before the model loads, what the front of engines in other processes does not serve yet."""
-    what = front_refuses(engine_config, server_config)
-    if what is not None:
-        size = engine_config.data_parallel_size
-        why, fix = ("server.engine_process", "engine_process: false") if size == 1 else \
-            (f"data_parallel_size={size}", "data_parallel_size: 1, engine_process: false")
-        raise ConfigError(f"{what}: not served with {why} yet; serve them from one engine in the server's "
-                          f"process ({fix})")
+    return not (_takes_images(engine_config) if takes_images is None else takes_images)
 
 
 def _takes_images(engine_config: EngineConfig) -> bool:
