@@ -63,6 +63,23 @@ def test_batched_chunked_preempted_matches_transformers(tiny, cases):
     assert single[0].outputs[0].token_ids == cases["one"][2]
 
 
+def test_two_replicas_take_images_through_their_front(tiny, cases):
+    """data_parallel_size=2: the front processes the images (a model built on the meta device answers for the
+    placeholders and positions), each replica encodes its requests' images: transformers' tokens, in order."""
+    directory, _, images = tiny
+    llm = LLM(str(directory), data_parallel_size=2, **ENGINE)
+    try:
+        names = list(cases)
+        outs = llm.generate([request(*cases[n][:2], images) for n in names], GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == [cases[n][2] for n in names]
+        assert all(r["generated_tokens"] > 0 for r in llm.get_stats()["data_parallel"])  # both served some
+        with pytest.raises(RequestError, match="placeholders") as err:  # the front's check, before any replica
+            llm.engine.add_request(None, "no placeholder", multi_modal_data={"image": images["a"]})
+        assert err.value.field == "prompt"
+    finally:
+        llm.shutdown()
+
+
 def test_prefix_cache_hits_for_same_image_only(tiny, cases):
     directory, _, images = tiny
     llm = LLM(str(directory), block_size=4, enable_prefix_caching=True, **ENGINE)

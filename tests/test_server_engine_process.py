@@ -10,7 +10,6 @@ import openai
 import pytest
 from pagoda import LLM, SamplingParams
 from pagoda.config import EngineConfig
-from pagoda.errors import ConfigError
 from pagoda.server import ServerConfig, ServerThread, build_app
 from pagoda.testing import make_tiny_checkpoint
 
@@ -140,17 +139,6 @@ def test_lora_and_pooling_pass_through_the_front():
         assert engines_own_process(config, server) is True
 
 
-def test_a_model_that_takes_images_runs_in_the_servers_process_by_default(tmp_path):
-    from pagoda.server.runner import engines_own_process
-    from pagoda.testing.vision import make_tiny_qwen2_5_vl
-
-    make_tiny_qwen2_5_vl(tmp_path)
-    config = EngineConfig(model=str(tmp_path), **ENGINE)
-    assert engines_own_process(config, ServerConfig()) is False
-    with pytest.raises(ConfigError, match="takes images.*server.engine_process"):
-        build_app(config, ServerConfig(engine_process=True))
-
-
 def test_the_flag_and_its_default():
     from pagoda.cli.main import build_parser
     from pagoda.cli.serve import server_config_from_args
@@ -158,7 +146,7 @@ def test_the_flag_and_its_default():
     parser = build_parser()
     assert server_config_from_args(parser.parse_args(["serve", "--engine-process"])).engine_process is True
     assert server_config_from_args(parser.parse_args(["serve", "--no-engine-process"])).engine_process is False
-    assert ServerConfig().engine_process is None  # chosen from what the engine serves
+    assert ServerConfig().engine_process is True
 
 
 def test_a_model_that_fails_to_load_in_the_engine_process_is_the_same_error(model, tmp_path):

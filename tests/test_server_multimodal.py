@@ -1,6 +1,6 @@
 """Images through the server (docs/multimodal.md): the openai client sends a data-URL image and gets
 transformers' greedy tokens; Ollama's base64 images do the same; a refused URL, a corrupt image or
-too many images is a 400 naming the content part."""
+too many images is a 400 naming the content part. With the engine in its own process and on a thread."""
 
 import base64
 import io
@@ -15,14 +15,18 @@ MAX_TOKENS = 8
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+@pytest.fixture(scope="module", params=[True, False], ids=["engine-process", "thread"])
+def setup(tmp_path_factory, request):
+    """The server with the engine in its own process (the default: the front processes the images, the engine
+    process encodes them) and on a thread of the server's."""
     directory = tmp_path_factory.mktemp("qwen2_5_vl")
     hf = make_tiny_qwen2_5_vl(directory)
     hf.generation_config.eos_token_id = None
     engine = EngineConfig(model=str(directory), device="cpu", dtype="float32", max_model_len=256, seed=0,
                           limit_mm_per_prompt={"image": 2})
-    with ServerThread(build_app(engine, ServerConfig(served_model_name="tiny-vl", media_fetch=False))) as srv:
+    server = ServerConfig(served_model_name="tiny-vl", media_fetch=False, engine_process=request.param)
+    with ServerThread(build_app(engine, server)) as srv:
+        assert hasattr(srv.app.state.async_engine.engine, "replicas") is request.param
         yield srv, directory, hf
 
 

@@ -12,8 +12,9 @@ requests the front has given it and not seen finish (running + waiting) + its KV
 usage (fraction of blocks in use, from its last report) x ``max_num_seqs``; except that a
 prompt whose first KV block (``block_size`` tokens) was seen before goes back to the replica
 that holds that prefix in its cache, unless that one is much more loaded (more than twice
-the least load + ``AFFINITY_SLACK``). The front tokenizes and checks prompts; the rest of a
-request's validation happens in its replica, whose refusal comes back as a failed output.
+the least load + ``AFFINITY_SLACK``). The front tokenizes and checks prompts and preprocesses images
+(a vision model's class built on the meta device answers for it); the rest of a request's validation
+happens in its replica, whose refusal comes back as a failed output.
 
 A replica that dies stops the front with a ``WorkerError`` naming it.
 """
@@ -38,11 +39,12 @@ from pagoda.engine.executor.failures import WorkerError, describe_exit
 from pagoda.engine.prompt_ids import check_prompt_ids, truncate_prompt_ids
 from pagoda.engine.prompt_ids import prompt_token_ids as prompt_ids
 from pagoda.errors import ConfigError, RequestError
+from pagoda.multimodal.inputs import block_key_images, for_transfer
+from pagoda.multimodal.processor import processor_without_weights
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.pooling.engine import check_pooling_params, fit_prompt, refuse_pooling_on_a_generator
 from pagoda.pooling.params import PoolingParams
 from pagoda.sampling_params import SamplingParams
-from pagoda.selection import model_takes_images
 
 logger = logging.getLogger("pagoda")
 STARTUP_TIMEOUT_S = 900.0
@@ -110,10 +112,9 @@ class DataParallelEngine:
         self.controls = RequestControls(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids, config)
         self.scheduler = SchedulerView(self.replicas, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = None
-        # (a server runs models that take images on one engine of its own: pagoda.server.runner)
         self.pooling = self.replicas[0].pooling  # runner: pooling: what the server reads of it
-        self.mm_processor = None
-        self.takes_images = model_takes_images(self.source, self.hf_config, config.model_impl)
+        # a model that takes images: the front processes them (off the engine loop), the replica encodes them
+        self.mm_processor = processor_without_weights(config, self.source, self.hf_config)
         self._step_timeout = 60.0 if finished_only else STREAM_WAIT_S
 
     # ------------------------------------------------------------------ start-up
@@ -222,7 +223,7 @@ class DataParallelEngine:
     def _loads(self) -> list[float]:
         return [len(r.unfinished) + r.kv_usage() * self.config.max_num_seqs for r in self.replicas]
 
-    def _tokenize(self, prompt: str) -> list[int]:
+    def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
             raise RequestError("this model has no tokenizer: pass token ids", field="prompt")
         return self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -232,9 +233,9 @@ class DataParallelEngine:
                     arrival_time: float | None = None, multi_modal_data=None, mm_inputs=None,
                     lora_request=None) -> str:
         self._check_alive("")
-        if multi_modal_data is not None or mm_inputs is not None:
-            self.process_multimodal([], [(None, "multi_modal_data")])
         pooled = self.pooling is not None or isinstance(params, PoolingParams)
+        if pooled and (multi_modal_data is not None or mm_inputs is not None):
+            raise RequestError("images are not supported by the pooling runner yet", field="prompt")
         if pooled:  # (the checks of pagoda.pooling.engine, here so that refusals stay 400s)
             if self.pooling is None:
                 refuse_pooling_on_a_generator()
@@ -251,7 +252,16 @@ class DataParallelEngine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use", field="request_id")
         text = prompt if isinstance(prompt, str) else None
-        prompt_token_ids = prompt_ids(prompt, prompt_token_ids, self._tokenize)
+        prompt_token_ids = prompt_ids(prompt, prompt_token_ids, self.tokenize)
+        if multi_modal_data is not None and mm_inputs is None:  # (LLMEngine.add_request's order)
+            images = self.mm_processor.images_of(multi_modal_data) if self.mm_processor is not None \
+                else [(None, "multi_modal_data")]
+            mm_inputs = self.process_multimodal(list(prompt_token_ids), images)
+        if mm_inputs is not None:
+            if params.truncate_prompt_tokens is not None:
+                raise RequestError("truncate_prompt_tokens cannot cut a prompt with images",
+                                   field="truncate_prompt_tokens")
+            prompt_token_ids = mm_inputs.prompt_token_ids
         if pooled:
             prompt_token_ids = fit_prompt(prompt_token_ids, self.max_model_len, params.truncate_prompt_tokens, "prompt")
         else:
@@ -262,13 +272,14 @@ class DataParallelEngine:
                                f"is {self.max_model_len}, which leaves no room for output", field="prompt")
         block = self.config.block_size
         adapter = lora_request.lora_int_id if lora_request is not None else 0  # (its blocks are its own)
-        key = hash((adapter, *prompt_token_ids[:block])) if len(prompt_token_ids) >= block else None
+        images = block_key_images(mm_inputs, block)  # (a prefix's images are part of it)
+        key = hash((adapter, *prompt_token_ids[:block], *images)) if len(prompt_token_ids) >= block else None
         index = choose_replica(self._loads(), self._prefix_home.get(key) if key is not None else None)
         if key is not None:
             self._prefix_home[key] = index
         replica = self.replicas[index]
         self._send(replica, ("add", request_id, text, list(prompt_token_ids), params, arrival_time or time.time(),
-                             lora_request))
+                             lora_request, for_transfer(mm_inputs) if mm_inputs is not None else None))
         replica.unfinished.add(request_id)
         self.requests[request_id] = index
         return request_id
@@ -298,15 +309,14 @@ class DataParallelEngine:
             self._send(replica, ("mode", not streaming))
         self._step_timeout = STREAM_WAIT_S if streaming else 60.0
 
-    def process_multimodal(self, prompt_token_ids, images, prompt_field: str = "messages"):
-        """Images do not pass this front (a server with a model that takes them runs one engine in its
-        own process, pagoda.server.runner): refused, as by a text-only engine where the model is one."""
-        if self.takes_images:
-            raise RequestError("images are not served with data_parallel_size > 1 yet: serve a vision model "
-                               "with one replica", field=prompt_field, code="unsupported_task")
-        arch = ", ".join(getattr(self.hf_config, "architectures", None) or ["?"])
-        raise RequestError(f"this model ({arch}) is text-only: it takes no images",
-                           field=images[0][1] if images else "multi_modal_data")
+    def process_multimodal(self, prompt_token_ids: list[int], images: list[tuple[Any, str]],
+                           prompt_field: str = "prompt"):
+        """``LLMEngine.process_multimodal``, done here: the replicas get the processed images and encode them."""
+        if self.mm_processor is None:
+            arch = ", ".join(getattr(self.hf_config, "architectures", None) or ["?"])
+            raise RequestError(f"this model ({arch}) is text-only: it takes no images",
+                               field=images[0][1] if images else "multi_modal_data")
+        return self.mm_processor.process(prompt_token_ids, images, prompt_field)
 
     def load_lora(self, request) -> None:
         """Load a LoRA adapter (``pagoda.lora.LoRARequest``) in every replica; LoRAError if one refuses it."""

@@ -6,8 +6,9 @@
 ``PAGODA_DP_AUTHKEY``), receives its engine config, builds the engine (which may itself be
 tensor/pipeline parallel and start its own ranks), then serves messages:
 
-- ``("add", request_id, prompt, prompt_token_ids, params, arrival_time, lora_request)``: queue a request;
-  an error is answered with ``("failed", request_id, message)``;
+- ``("add", request_id, prompt, prompt_token_ids, params, arrival_time, lora_request, images)``: queue a
+  request (``images``: the front's processed ``MultiModalInputs`` in ``for_transfer``'s form, or None); an
+  error is answered with ``("failed", request_id, message)``;
 - ``("lora", "load" | "remove", LoRARequest | adapter id)``: answered ``("done", None | the refusal)``;
 - ``("abort", [request ids])``, ``("stats",)`` (answered ``("stats", dict)``, also sent unasked when an abort
   leaves the replica idle), ``("stop",)``;
@@ -37,6 +38,7 @@ STATS_INTERVAL_S = 0.05  # while streaming, the engine's stats go with its outpu
 
 def serve(conn, engine, finished_only: bool) -> None:
     from pagoda.distributed.output_deltas import OutputSender
+    from pagoda.multimodal.inputs import arrived
 
     sender = OutputSender()  # each step's outputs as what is new since the last (the front rebuilds them)
     stats_sent = 0.0
@@ -48,10 +50,10 @@ def serve(conn, engine, finished_only: bool) -> None:
             if kind == "stop":
                 return
             if kind == "add":
-                _, rid, prompt, token_ids, params, arrival, lora_request = message
+                _, rid, prompt, token_ids, params, arrival, lora_request, images = message
                 try:
                     engine.add_request(rid, prompt, params, prompt_token_ids=token_ids, arrival_time=arrival,
-                                       lora_request=lora_request)
+                                       lora_request=lora_request, mm_inputs=arrived(images) if images else None)
                 except Exception as exc:  # the request's own error: the others go on
                     conn.send(("failed", rid, f"{type(exc).__name__}: {exc}"))
             elif kind == "lora":

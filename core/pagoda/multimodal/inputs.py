@@ -1,9 +1,10 @@
 """A request's images as placed in its prompt: where each image's tokens are, its processed
-pixels, its content hash (prefix-cache keys), and the prompt's M-RoPE positions. No torch."""
+pixels, its content hash (prefix-cache keys), and the prompt's M-RoPE positions; how they cross to
+another process (``for_transfer`` / ``arrived``). No torch but in ``arrived``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -55,3 +56,24 @@ class MultiModalInputs:
         if end - start > k:
             out[:, k:] = np.arange(start + k, end) + self.position_delta
         return out
+
+
+def block_key_images(inputs: MultiModalInputs | None, block: int) -> tuple[int, ...]:
+    """Key material of the images in a prompt's first ``block`` tokens (none without images)."""
+    return inputs.block_extra(0, block) if inputs is not None else ()
+
+
+def for_transfer(inputs: MultiModalInputs) -> MultiModalInputs:
+    """A copy whose images' pixels are numpy arrays, to send to another process: multiprocessing pickles a
+    CPU tensor as a shared-memory handle that a process it did not start cannot open."""
+    return replace(inputs, images=[replace(p, image=replace(p.image, pixel_values=p.image.pixel_values.numpy()))
+                                   for p in inputs.images], _extra={})
+
+
+def arrived(inputs: MultiModalInputs) -> MultiModalInputs:
+    """``for_transfer``'s inverse, in the receiving process: the pixels as tensors again."""
+    import torch
+
+    for placed in inputs.images:
+        placed.image = replace(placed.image, pixel_values=torch.from_numpy(placed.image.pixel_values))
+    return inputs

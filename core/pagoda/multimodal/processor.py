@@ -1,7 +1,8 @@
 """The engine's preprocessing of a request's images: decode, check the limits, run the model's
 image processor, expand each image's placeholder to its token count and compute the prompt's
 M-RoPE positions. Pure CPU work on the caller's thread (the server runs it in a worker thread,
-never on the engine loop)."""
+never on the engine loop). The front of engines in other processes (``pagoda.distributed.data_parallel``)
+processes images itself with ``processor_without_weights``: the replicas only encode them."""
 
 from __future__ import annotations
 
@@ -65,3 +66,21 @@ class MultiModalProcessor:
         mrope = self.model.mrope_positions(ids, [(p.offset, p.image) for p in placed])
         positions, delta = mrope if mrope is not None else (None, 0)
         return MultiModalInputs(ids, placed, positions, delta)
+
+
+def processor_without_weights(config, source, hf_config) -> MultiModalProcessor | None:
+    """The processor of a model loaded elsewhere (engines in other processes), or None for a text-only
+    model: its class built on the meta device (no memory, no weights), whose multimodal contract
+    (placeholder, image processor, M-RoPE positions) reads only the checkpoint's config."""
+    import torch
+
+    from pagoda.interfaces import supports_multimodal
+    from pagoda.selection import resolve_model_class
+
+    cls = resolve_model_class(list(getattr(hf_config, "architectures", None) or []), str(source.path),
+                              model_impl=config.model_impl, hf_config=hf_config)
+    if not supports_multimodal(cls):
+        return None
+    with torch.device("meta"):
+        model = cls(hf_config, quant_config=None, prefix="")
+    return MultiModalProcessor(model, str(source.path) if source.kind != "gguf" else None, config)

@@ -53,12 +53,10 @@ class ServerConfig(BaseModel):
                                          "llama3_json, mistral, deepseek_v3, pythonic, a plugin's); auto: from "
                                          "the chat template, else hermes; none: tools only with a forcing "
                                          "tool_choice")
-    engine_process: bool | None = Field(None, description="run the engine in its own process (the data-"
-                                        "parallel front with one replica) instead of a thread of the server's: "
-                                        "the HTTP server's work and the engine's host work then run in parallel "
-                                        "instead of taking turns on one GIL. Unset: on, unless the model takes "
-                                        "images, which the front does not carry yet (it then runs on a thread); "
-                                        "true with one is refused at start")
+    engine_process: bool = Field(True, description="run the engine in its own process (the data-parallel "
+                                 "front with one replica) instead of a thread of the server's: the HTTP server's "
+                                 "work and the engine's host work then run in parallel instead of taking turns "
+                                 "on one GIL; false: on a thread (one process, e.g. for a debugger)")
     # images in requests (docs/multimodal.md)
     media_fetch: bool = Field(True, description="fetch http(s) image URLs of chat image_url parts; off: only "
                               "data: URLs are accepted (a fetched URL is a 400)")

@@ -72,19 +72,11 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig):
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.server.app import create_app
 
-    size = engine_config.data_parallel_size
-    # (read once, where it decides something: it opens the checkpoint's config)
-    takes_images = _takes_images(engine_config) if size > 1 or server_config.engine_process is not False else False
-    if size > 1 or engines_own_process(engine_config, server_config, takes_images):
+    if engines_own_process(engine_config, server_config):
         # replicas in their own processes behind this front (pagoda.distributed.data_parallel); engine_process:
         # one replica, so that the HTTP server and the engine do not share a GIL
         from pagoda.distributed.data_parallel import DataParallelEngine
 
-        if takes_images:  # refused before the model loads: images do not pass the front yet
-            why, fix = ("server.engine_process", "engine_process: false") if size == 1 else \
-                (f"data_parallel_size={size}", "data_parallel_size: 1, engine_process: false")
-            raise ConfigError(f"a model that takes images: not served with {why} yet; serve it from one engine "
-                              f"in the server's process ({fix})")
         engine = DataParallelEngine(engine_config, finished_only=False)
     else:
         engine = LLMEngine(engine_config)
@@ -99,27 +91,9 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig):
     return app
 
 
-def engines_own_process(engine_config: EngineConfig, server_config: ServerConfig,
-                        takes_images: bool | None = None) -> bool:
-    """Whether one engine runs in its own process: ``engine_process``, or where it is unset, whenever the
-    front carries everything the engine serves (all but a model that takes images). ``takes_images``: as
-    read already (None: read it here)."""
-    if server_config.engine_process is not None:
-        return server_config.engine_process
-    return not (_takes_images(engine_config) if takes_images is None else takes_images)
-
-
-def _takes_images(engine_config: EngineConfig) -> bool:
-    from pagoda.loader.model_loader import load_config
-    from pagoda.loader.source import resolve_source
-    from pagoda.selection import model_takes_images
-
-    try:
-        source = resolve_source(engine_config.model, engine_config.revision, engine_config.download_dir)
-        hf_config = load_config(source)
-    except Exception:  # noqa: BLE001 - the engine's own load reports it, with its context
-        return False
-    return model_takes_images(source, hf_config, engine_config.model_impl)
+def engines_own_process(engine_config: EngineConfig, server_config: ServerConfig) -> bool:
+    """Whether the engine runs in processes of its own: data parallelism, or ``engine_process`` (the default)."""
+    return engine_config.data_parallel_size > 1 or server_config.engine_process
 
 
 def _uvicorn_server(app, config: ServerConfig, port: int | None = None) -> _Server:
