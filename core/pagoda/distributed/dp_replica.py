@@ -80,11 +80,10 @@ def serve(conn, engine, finished_only: bool) -> None:
 
 def _lora(engine, op: str, arg) -> str | None:
     """Load (a LoRARequest) or remove (an adapter id) a LoRA adapter; the refusal's message, or None."""
-    from pagoda.lora.engine_support import register_lora, remove_lora
     from pagoda.lora.peft_format import LoRAError
 
     try:
-        register_lora(engine, arg) if op == "load" else remove_lora(engine, arg)
+        engine.load_lora(arg) if op == "load" else engine.remove_lora(arg)
     except LoRAError as exc:
         return str(exc)
     return None

@@ -235,6 +235,19 @@ class LLMEngine:
             self.scheduler.add(seq)
         return request_id
 
+    def load_lora(self, request) -> None:
+        """Load a LoRA adapter (``pagoda.lora.LoRARequest``) ahead of its requests (the server's
+        ``--lora-modules`` and load route); raises LoRAError if it is refused."""
+        from pagoda.lora.engine_support import register_lora
+
+        register_lora(self, request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget a LoRA adapter (the server's unload route)."""
+        from pagoda.lora.engine_support import remove_lora
+
+        remove_lora(self, lora_int_id)
+
     def validate_params(self, params: SamplingParams) -> None:
         """Check ``params`` against this engine's limits (max_logprobs, the vocabulary, max_n);
         a bad field raises RequestError naming it."""

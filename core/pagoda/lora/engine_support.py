@@ -38,11 +38,8 @@ def check_lora_request(engine: Any, request: Any) -> None:
 
 
 def register_lora(engine: Any, request: LoRARequest) -> None:
-    """Load and check an adapter on rank 0, then (first time, tensor parallel) on every other rank,
-    which read it from the same path and shard it. Raises LoRAError."""
-    if hasattr(engine, "load_lora"):  # the front of engines in other processes: each loads it
-        engine.load_lora(request)
-        return
+    """``LLMEngine.load_lora``: load and check an adapter on rank 0, then (first time, tensor parallel) on
+    every other rank, which read it from the same path and shard it. Raises LoRAError."""
     manager = engine.runner.lora
     first = request.lora_int_id not in manager.known
     manager.load(request)  # rank 0 checks it first: the other ranks then read a good adapter
@@ -51,10 +48,7 @@ def register_lora(engine: Any, request: LoRARequest) -> None:
 
 
 def remove_lora(engine: Any, lora_int_id: int) -> None:
-    """Forget an adapter on every rank (the server's unload)."""
-    if hasattr(engine, "remove_lora"):  # the front of engines in other processes
-        engine.remove_lora(lora_int_id)
-        return
+    """``LLMEngine.remove_lora``: forget an adapter on every rank."""
     runner = engine.runner
     if hasattr(type(runner), "call"):
         runner.call("remove_lora", lora_int_id)

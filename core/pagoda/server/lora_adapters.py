@@ -14,7 +14,6 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
 from pagoda.errors import ConfigError
-from pagoda.lora.engine_support import register_lora, remove_lora
 from pagoda.lora.peft_format import LoRAError
 from pagoda.lora.request import LoRARequest
 from pagoda.server.errors import APIError, bad_request
@@ -63,7 +62,7 @@ class ServedAdapters:
                 raise ConfigError(f"lora_modules: {name!r} is the base model's name")
             request = self.new(name, path)
             try:
-                register_lora(engine, request)
+                engine.load_lora(request)
             except LoRAError as e:
                 raise ConfigError(f"lora_modules: {name}={path}: {e}") from None
             self.by_name[name] = request
@@ -112,7 +111,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> d
         raise bad_request(f"a model named {body.lora_name!r} is already served", param="lora_name")
     lora = adapters.new(body.lora_name, body.lora_path)
     try:
-        await fe.async_engine.call(lambda engine: register_lora(engine, lora))
+        await fe.async_engine.call(lambda engine: engine.load_lora(lora))
     except LoRAError as e:
         raise bad_request(str(e), param="lora_path") from None
     adapters.by_name[body.lora_name] = lora
@@ -126,5 +125,5 @@ async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) 
     if lora is None:
         raise APIError(404, f"no LoRA adapter named {body.lora_name!r} is loaded", param="lora_name",
                        code="model_not_found")
-    await fe.async_engine.call(lambda engine: remove_lora(engine, lora.lora_int_id))
+    await fe.async_engine.call(lambda engine: engine.remove_lora(lora.lora_int_id))
     return {"object": "lora_adapter", "id": body.lora_name, "status": "unloaded"}
