@@ -73,6 +73,7 @@ for backend in $BACKENDS; do
         --json > "$OUT/bench-$backend-c$clients$suffix.json" 2>>"$LOG"
       say "bench ($clients client processes${flag:+, $flag}) exit $?"
     done
+    curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "^pagoda_engine_(steps|mixed_steps_replayed)_total" >>"$LOG"
     kill $SERVER; wait $SERVER 2>/dev/null
   done
 done

@@ -64,6 +64,10 @@ class EngineConfig(BaseModel):
                                     "backend, e.g. {tile_size: 256} for a tiled backend; a backend "
                                     "rejects options it does not know")
     enforce_eager: bool = Field(False, description="never capture graphs")
+    cudagraph_mode: Literal["FULL", "FULL_DECODE_ONLY"] = Field(
+        "FULL", description="which steps replay captured graphs (vLLM's compilation_config.cudagraph_mode "
+                            "values): FULL, decode-only steps and steps that mix prefill chunks in (where the "
+                            "attention backend captures those); FULL_DECODE_ONLY, decode-only steps")
     async_scheduling: bool | None = Field(None, description="launch streamed steps (the server) before the "
                                           "previous step's tokens reach the host, as offline batches are "
                                           "(requests without logprobs or logits processing; docs/cuda.md); unset: "

@@ -40,6 +40,9 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     for_graph: bool = False  # captured in a graph: host values may be stale, use tensors only
+    # (with for_graph) a captured batch that mixes prefill chunks with decodes (pagoda.engine.mixed_graphs):
+    # num_tokens / num_seqs are capacities and num_decodes is known on the device only (the backend's state)
+    mixed_graph: bool = False
     backend_data: Any = None
 
     @property

@@ -165,6 +165,12 @@ class AttentionBackend:
     dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")
     # Whether forward() may be captured in a graph for decode-only batches.
     supports_graphs: bool = False
+    # Whether forward() may be captured for batches that mix prefill chunks with decodes
+    # (``pagoda.engine.mixed_graphs``): their metadata has ``mixed_graph`` set, ``num_tokens`` and
+    # ``num_seqs`` are capacities (padding sequences have no tokens, padding tokens slot -1) and the
+    # number of decodes is known only on the device; ``prepare`` makes the static state the graph reads
+    # and ``fill_mixed_graph`` writes each step's values into it.
+    supports_mixed_graphs: bool = False
     # Whether forward() applies ``layer.sinks`` (AttentionSpec.sinks); a backend that does not
     # is never selected for such layers.
     supports_sinks: bool = False
@@ -208,6 +214,12 @@ class AttentionBackend:
     def prepare(self, meta: Any) -> Any:
         """Called once per step before the model runs; the result is ``meta.backend_data``."""
         return None
+
+    def fill_mixed_graph(self, data: Any, query_start_loc: Any, num_decodes: int) -> None:
+        """(``supports_mixed_graphs``) Before a mixed batch's graph replays: write the step's sequences
+        (``query_start_loc``, numpy [B+1], the first ``num_decodes`` of them decoding) into ``data``, what
+        ``prepare`` returned for the capture; host-to-device copies are queued, never waited for."""
+        raise NotImplementedError(f"attention backend {self.name!r} does not capture mixed batches")
 
     def forward(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:

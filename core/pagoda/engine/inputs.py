@@ -32,8 +32,26 @@ class StepInputs:
 TABLE_WIDTH_MULTIPLE = 16  # block tables of eager steps are padded to a multiple of this many blocks
 
 
-def build_step_inputs(out: SchedulerOutput, block_size: int, device: torch.device,
-                      block_table_width: int | None = None, num_groups: int = 1) -> StepInputs:
+@dataclass
+class StepArrays:
+    """A step's inputs on the host (numpy): what ``build_step_inputs`` uploads, and what mixed-batch graphs
+    (``pagoda.engine.mixed_graphs``) copy into their static buffers."""
+
+    ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    token_seq_lens: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [B+1] int64
+    seq_lens: np.ndarray  # [B] int64
+    tables: list[np.ndarray]  # per KV cache group: [B, width] int32
+    slots: list[np.ndarray]  # per KV cache group: [T] int64
+    sample_rows: list[int]  # scheduled sequences that sample, in batch order
+    sample_indices: np.ndarray  # [N] int64, their rows (each one's last token)
+    max_query_len: int
+    max_blocks: int  # the widest block table in use
+
+
+def step_arrays(out: SchedulerOutput, block_size: int, block_table_width: int | None = None,
+                num_groups: int = 1) -> StepArrays:
     items = out.scheduled
     n = len(items)
     computed = np.fromiter((it.seq.num_computed_tokens for it in items), np.int64, n)
@@ -66,38 +84,39 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, device: torch.devic
     # attention kernels, keeps one value class: Triton compiles a kernel variant per class (1, a multiple of
     # 16, other), and a context crossing 16 blocks compiled one mid-serving, stalling every stream)
     width = max(block_table_width or -(-max_blocks // TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE, max_blocks)
-    def table_and_slots(group: int) -> tuple[np.ndarray, np.ndarray]:
-        tables = np.zeros((n, width), np.int32)
+    tables, slots = [], []
+    for group in range(num_groups):
+        table = np.zeros((n, width), np.int32)
         for i, it in enumerate(items):
             bt = it.seq.block_table if group == 0 else it.seq.group_block_tables[group - 1]
             k = min(len(bt), width)
-            tables[i, :k] = bt[:k]
-        np.maximum(tables, 0, out=tables)  # blocks that left a window (NULL_BLOCK, -1): any valid id, never read
-        slots = tables[row, positions // block_size].astype(np.int64) * block_size + positions % block_size
-        return tables, slots
-
-    tables, slots = table_and_slots(0)
-
+            table[i, :k] = bt[:k]
+        np.maximum(table, 0, out=table)  # blocks that left a window (NULL_BLOCK, -1): any valid id, never read
+        tables.append(table)
+        slots.append(table[row, positions // block_size].astype(np.int64) * block_size + positions % block_size)
     sample_rows = [i for i, it in enumerate(items) if it.sample]
-    sample_idx = qsl[1:][sample_rows] - 1
+    return StepArrays(ids, positions, token_seq_lens, qsl, seq_lens, tables, slots, sample_rows,
+                      qsl[1:][sample_rows] - 1, int(num_new.max()) if n else 0, max_blocks)
 
-    def dev(a: np.ndarray) -> torch.Tensor:
-        return upload(a, device)  # never waits for the step in flight (a pipelined step is built meanwhile)
+
+def build_step_inputs(out: SchedulerOutput, block_size: int, device: torch.device,
+                      block_table_width: int | None = None, num_groups: int = 1) -> StepInputs:
+    a = step_arrays(out, block_size, block_table_width, num_groups)
+    n = len(out.scheduled)
+
+    def dev(x: np.ndarray) -> torch.Tensor:
+        return upload(x, device)  # never waits for the step in flight (a pipelined step is built meanwhile)
 
     meta = AttentionMetadata(
-        num_tokens=t, num_seqs=n, num_decodes=out.num_decodes,
-        max_query_len=int(num_new.max()) if n else 0, max_seq_len=int(seq_lens.max()) if n else 0,
+        num_tokens=len(a.ids), num_seqs=n, num_decodes=out.num_decodes,
+        max_query_len=a.max_query_len, max_seq_len=int(a.seq_lens.max()) if n else 0,
         block_size=block_size,
-        query_start_loc=dev(qsl.astype(np.int32)), seq_lens=dev(seq_lens.astype(np.int32)),
-        block_tables=dev(tables), slot_mapping=dev(slots),
-        query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist(),
+        query_start_loc=dev(a.query_start_loc.astype(np.int32)), seq_lens=dev(a.seq_lens.astype(np.int32)),
+        block_tables=dev(a.tables[0]), slot_mapping=dev(a.slots[0]),
+        query_start_loc_cpu=a.query_start_loc.tolist(), seq_lens_cpu=a.seq_lens.tolist(),
     )
-    group_tables = []
-    for group in range(1, num_groups):
-        g_tables, g_slots = table_and_slots(group)
-        group_tables.append((dev(g_tables), dev(g_slots)))
     return StepInputs(
-        input_ids=dev(ids), positions=dev(positions), token_seq_lens=dev(token_seq_lens.astype(np.int32)),
-        meta=meta, sample_indices=dev(sample_idx), sample_seqs=[items[i].seq for i in sample_rows],
-        group_tables=group_tables,
+        input_ids=dev(a.ids), positions=dev(a.positions), token_seq_lens=dev(a.token_seq_lens.astype(np.int32)),
+        meta=meta, sample_indices=dev(a.sample_indices), sample_seqs=[out.scheduled[i].seq for i in a.sample_rows],
+        group_tables=[(dev(a.tables[g]), dev(a.slots[g])) for g in range(1, num_groups)],
     )

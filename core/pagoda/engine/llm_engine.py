@@ -494,6 +494,9 @@ class LLMEngine:
         if self.pipeline is not None:  # steps launched before the previous one's tokens were known
             stats["steps_launched_ahead"] = self.pipeline.launched_ahead
             stats["steps_sampled_after_launch"] = self.pipeline.sampled_later
+        mixed = getattr(self.runner, "mixed_graphs", None)
+        if mixed is not None:  # steps with prefill chunks replayed from graphs (pagoda.engine.mixed_graphs)
+            stats["mixed_steps_replayed"] = mixed.replays
         mask = self.runner.sampler.mask
         if mask.steps:  # structured outputs: the grammar masks' host cost
             stats["structured_outputs"] = mask.summary()

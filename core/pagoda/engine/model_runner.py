@@ -108,6 +108,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.graphs = None  # pagoda.engine.graphs.DecodeGraphs when captured
+        self.mixed_graphs = None  # pagoda.engine.mixed_graphs.MixedGraphs: steps with prefill chunks, when captured
         self._token_hosts: list[torch.Tensor] | None = None  # page-locked token buffers of launched steps
         self._token_turn = 0
         self.expert_counts: dict[str, torch.Tensor] = {}
@@ -222,6 +223,9 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(out):
             logits = self.graphs.run(out)
             seqs = [it.seq for it in out.scheduled]
+        elif self.mixed_graphs is not None and self.mixed_graphs.can_run(out):
+            logits = self.mixed_graphs.run(out)
+            seqs = [it.seq for it in out.scheduled if it.sample]
         else:
             inputs = self._inputs(out)
             logits, prompt = self._forward(inputs, prompt_logprobs_of=out)
@@ -303,14 +307,18 @@ class ModelRunner:
         fed ids and start the forward. Nothing else may launch in between."""
         if self.graphs is not None and self.graphs.can_run(out):
             return "graph", self.graphs.stage(out)
+        if self.mixed_graphs is not None and self.mixed_graphs.can_run(out):
+            return "mixed", self.mixed_graphs.stage(out)
         return "eager", self._inputs(out)
 
     def _launch_forward(self, out: SchedulerOutput, feed, staged=None) -> tuple[torch.Tensor, list]:
         """(logits whose first rows are the sampling rows', the sampling sequences) of a launched step."""
         kind, prepared = staged if staged is not None else self.stage_launch(out)
+        patch = None if feed is None or kind == "eager" else (feed.rows, feed.tokens.index_select(0, feed.indices))
         if kind == "graph":
-            patch = None if feed is None else (feed.rows, feed.tokens.index_select(0, feed.indices))
             return self.graphs.replay(prepared, patch=patch), [it.seq for it in out.scheduled]
+        if kind == "mixed":
+            return self.mixed_graphs.replay(prepared, patch=patch), [it.seq for it in out.scheduled if it.sample]
         if feed is not None:
             prepared.input_ids.index_copy_(0, feed.rows, feed.tokens.index_select(0, feed.indices))
         return self._forward(prepared)[0], prepared.sample_seqs
@@ -371,6 +379,15 @@ class ModelRunner:
 
         self.graphs = DecodeGraphs(self, max_num_seqs, max_model_len)
         self.graphs.capture()
+        from pagoda.engine.mixed_graphs import BUCKETS, MixedGraphs, why_not_mixed
+
+        why = why_not_mixed(self)
+        if why is not None:
+            logger.info("steps with prefill chunks run eagerly: %s", why)
+            return
+        self.mixed_graphs = MixedGraphs(self, max_num_seqs, max_model_len,
+                                        self.config.max_num_batched_tokens or BUCKETS[-1])
+        self.mixed_graphs.capture()
 
     def spec_summary(self) -> list[AttentionSpec]:
         return [layer.spec for layer in self.attn_layers]

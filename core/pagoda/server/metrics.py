@@ -35,6 +35,8 @@ ENGINE_METRICS = {
     "steps_sampled_after_launch": ("pagoda_engine_steps_sampled_after_launch", "launched steps whose tokens were "
                                    "chosen on the device after the previous step's commit (grammar masks)",
                                    "counter"),
+    "mixed_steps_replayed": ("pagoda_engine_mixed_steps_replayed", "steps with prefill chunks replayed from "
+                             "captured graphs (the others with prefill chunks run eagerly)", "counter"),
     "prefill_tokens_computed": ("pagoda_prefill_tokens_computed", "prompt tokens computed (not served "
                                 "from the prefix cache)", "counter"),
     "prefix_cache_hit_tokens": ("pagoda_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache",

@@ -66,7 +66,31 @@ def test_graph_decode_matches_transformers(tmp_path, replay_cpu, model_type):
     assert [o.outputs[0].token_ids for o in outs] == want
     assert Replay.replays - before > 10
     assert llm.engine.pipeline.launched_ahead > 0
-    assert llm.get_stats()["num_preemptions"] > 0
+    stats = llm.get_stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["mixed_steps_replayed"] > 3  # steps with prefill chunks (pagoda.engine.mixed_graphs)
+
+
+def test_mixed_steps_replayed_with_prefix_hits_and_arrivals(tmp_path, replay_cpu):
+    """Requests join running batches (more prompts than seats): the steps that hold their chunks replay the
+    mixed graphs, also where a prompt's chunk starts after cached blocks (prefix caching: attention over a
+    cached prefix) and where its decode rows are fed from the step before (the step pipeline); the padded
+    kernels' results equal transformers'."""
+    path = make_tiny_checkpoint("qwen3", tmp_path, seed=4, **TINY)
+    shared = random_prompts(1, 320, 20, 20, seed=1)[0]
+    prompts = [shared + p for p in random_prompts(9, 320, 3, 12, seed=7)] + random_prompts(3, 320, 40, 50, seed=8)
+    want = hf_greedy_tokens(path, prompts, 10)
+    llm = LLM(model=str(path), device="cpu", dtype="float32", attention_backend="triton", num_kv_blocks=64,
+              block_size=8, max_num_seqs=4, max_num_batched_tokens=48, max_model_len=80, enable_prefix_caching=True)
+    mixed = llm.engine.runner.mixed_graphs
+    assert mixed is not None and mixed.buckets == [48]
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == want  # steps one after another
+    stats = llm.get_stats()
+    assert stats["mixed_steps_replayed"] > 5 and stats["prefix_cache_hit_tokens"] > 0
+    llm.engine.enable_step_pipeline()  # as on a CUDA device
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == want
+    assert llm.get_stats()["mixed_steps_replayed"] > stats["mixed_steps_replayed"]  # (prefixes cached now)
 
 
 def test_steps_ahead_with_early_stops(tmp_path, replay_cpu):

@@ -29,6 +29,7 @@ LOG2E = tl.constexpr(1.4426950408889634)  # a global a kernel reads must be a co
 def _decode_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, stride_cs, stride_ch,
                    tables_ptr, stride_tb, stride_tn, seq_lens_ptr, out_ptr, stride_ot, stride_oh,
                    part_out_ptr, part_lse_ptr, scale, soft_cap, window, k_scale_ptr, v_scale_ptr, sinks_ptr,
+                   num_decodes_ptr, MIXED: tl.constexpr,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    USE_WINDOW: tl.constexpr, USE_CAP: tl.constexpr, UPCAST: tl.constexpr,
@@ -42,6 +43,9 @@ def _decode_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, str
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         num_kv_heads = tl.num_programs(1)
+    if MIXED:  # a captured batch with prefill chunks: only its first num_decodes sequences decode
+        if b >= tl.load(num_decodes_ptr):
+            return
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     lo = 0
@@ -104,10 +108,13 @@ def _decode_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, str
 
 
 @triton.jit
-def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, sinks_ptr,
-                  HEAD: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                  HAS_SINKS: tl.constexpr):
+def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, sinks_ptr, num_decodes_ptr,
+                  MIXED: tl.constexpr, HEAD: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
+    if MIXED:
+        if b >= tl.load(num_decodes_ptr):
+            return
     h = tl.program_id(1)
     num_heads = tl.num_programs(1)
     s = tl.arange(0, BLOCK_S)
@@ -162,13 +169,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  seq_lens: torch.Tensor, out: torch.Tensor, scale: float, num_splits: int,
                  sliding_window: int | None = None, soft_cap: float | None = None,
                  config: tuple | None = None, kv_scales: dict | None = None,
-                 sinks: torch.Tensor | None = None) -> None:
+                 sinks: torch.Tensor | None = None, num_decodes: torch.Tensor | None = None) -> None:
     """q [B, nq, D] (one token per sequence), caches [num_blocks, block_size, nk, D],
     block_tables [B, W] (any strides), seq_lens [B] int32 -> out [B, nq, D]. ``config``
     (BLOCK_N, num_warps, num_stages[, heads adjacent]) overrides ``decode_config`` (kernel
     sweeps); ``kv_scales``
     ({"k_scale", "v_scale"} float32 0-dim): an fp8 cache holding k / k_scale; ``sinks`` [nq]:
-    per-head sink logits."""
+    per-head sink logits; ``num_decodes`` ([1] int32 on the device, a captured batch that mixes prefill chunks
+    in: ``pagoda.engine.mixed_graphs``): only rows below it decode, the others are left as they are."""
     b, nq, head = q.shape
     if b == 0:
         return
@@ -195,9 +203,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         block_tables, block_tables.stride(0), block_tables.stride(1), seq_lens, out, out.stride(0), out.stride(1),
         part_out, part_lse, float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
         kv_scales["k_scale"] if kv_scales else seq_lens, kv_scales["v_scale"] if kv_scales else seq_lens,
-        sinks if sinks is not None else seq_lens, **common)
+        sinks if sinks is not None else seq_lens, num_decodes if num_decodes is not None else seq_lens,
+        MIXED=num_decodes is not None, **common)
     if num_splits > 1:
         _merge_kernel[(b, nq)](part_out, part_lse, out, out.stride(0), out.stride(1),
-                               sinks if sinks is not None else seq_lens, HEAD=head, BLOCK_D=block_d,
+                               sinks if sinks is not None else seq_lens,
+                               num_decodes if num_decodes is not None else seq_lens, MIXED=num_decodes is not None,
+                               HEAD=head, BLOCK_D=block_d,
                                NUM_SPLITS=num_splits, BLOCK_S=max(2, next_pow2(num_splits)),
                                HAS_SINKS=sinks is not None, num_warps=4)

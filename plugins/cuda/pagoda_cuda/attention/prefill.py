@@ -40,6 +40,8 @@ def _prefill_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, st
     m0 = tl.load(tile_map_ptr + 2 * tile + 1)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if m0 >= q_len:  # a padding tile of a captured batch's fixed map (pagoda.engine.mixed_graphs)
+        return
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx = seq_len - q_len
 

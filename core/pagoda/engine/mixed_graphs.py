@@ -1,0 +1,187 @@
+"""Steps that mix prefill chunks with decodes, replayed from captured graphs.
+
+A step in which requests join a running batch (their prompts' chunks beside every running sequence's next
+token) would run the model eagerly: a dozen or more launches per layer from Python, milliseconds of host
+time that a serving engine pays whenever requests arrive, while the decode-only steps around it replay a
+graph (``pagoda.engine.graphs``). Where the attention backend can run such a batch over fixed capacities
+(``AttentionBackend.supports_mixed_graphs``) these steps are padded to a bucket of tokens and replayed
+too: padding tokens write to slot -1 (and count for no expert), padding sequences have no tokens, and the
+number of decodes is read by the attention kernels on the device. The graph ends at the hidden states;
+the LM head runs after it on the sampling rows only (a [capacity, vocab] logits buffer per bucket would
+cost hundreds of MB with a large vocabulary). Steps over the largest bucket, and steps that need what a
+graph cannot hold (prompt logprobs, images, LoRA adapters, speculative decoding, tensor parallelism),
+stay eager.
+
+Buffers, on the device with page-locked host mirrors copied once per step (the host waits for the
+previous step's copies before it writes the mirrors again): int64 rows [input ids, positions, slots of
+each KV cache group] x tokens; int32 [token seq lens x tokens | query_start_loc x (seqs + 1) | seq lens x
+seqs]; block tables [group, seqs, width] int32 (the rows in use copied); the sampling rows (int64).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from pagoda.engine.inputs import step_arrays
+from pagoda.engine.scheduler import SchedulerOutput
+from pagoda.forward_context import AttentionMetadata, ForwardContext, prepared_context, set_forward_context
+
+logger = logging.getLogger("pagoda")
+
+BUCKETS = (128, 256, 512)  # token counts a mixed step is padded to (capped by max_num_batched_tokens)
+
+
+def why_not_mixed(runner) -> str | None:
+    """Why ``runner``'s mixed steps cannot be captured, or None."""
+    from pagoda.distributed import get_tp_size
+
+    if runner.config.cudagraph_mode == "FULL_DECODE_ONLY":
+        return "cudagraph_mode is FULL_DECODE_ONLY"
+    backends = list(runner.backends.values())
+    if len(backends) != 1 or not backends[0].supports_mixed_graphs:
+        return f"attention backend {', '.join(b.name for b in backends)} captures decode-only batches"
+    if runner.lora is not None or runner.multimodal is not None:
+        return "LoRA adapters and images are per step"
+    if runner.config.speculative_config:
+        return "speculative decoding reads the steps' hidden states"
+    if get_tp_size() > 1:
+        return "tensor-parallel ranks capture decode-only batches"
+    return None
+
+
+class MixedGraphs:
+    def __init__(self, runner, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int):
+        self.runner = runner
+        cap = max(1, min(max_num_batched_tokens, BUCKETS[-1]))
+        self.buckets = [b for b in BUCKETS if b <= cap] or [cap]
+        # (tokens, sequences) of each bucket: a step holds at most as many sequences as tokens
+        self.capacity = {b: (b, min(max_num_seqs, b)) for b in self.buckets}
+        t, s = self.buckets[-1], min(max_num_seqs, self.buckets[-1])
+        self.block_size = runner.config.block_size
+        self.width = -(-max_model_len // self.block_size)
+        self.max_model_len = max_model_len
+        self.num_groups = g = runner.kv_layout.num_groups
+        host, dev = runner.platform.host_buffer, runner.device
+        self.host64 = host((2 + g, t), torch.int64)
+        self.host32 = host((t + 2 * s + 1,), torch.int32)
+        self.host_tables = host((g, s, self.width), torch.int32)
+        self.host_sample = host((s,), torch.int64)
+        self.dev64 = torch.zeros(self.host64.shape, dtype=torch.int64, device=dev)
+        self.dev32 = torch.zeros(self.host32.shape, dtype=torch.int32, device=dev)
+        self.dev_tables = torch.zeros(self.host_tables.shape, dtype=torch.int32, device=dev)
+        self.dev_sample = torch.zeros(self.host_sample.shape, dtype=torch.int64, device=dev)
+        self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
+        self.np_tables, self.np_sample = self.host_tables.numpy(), self.host_sample.numpy()
+        self.max_tokens, self.max_seqs = t, s
+        self.graphs: dict[int, object] = {}
+        self.contexts: dict[int, ForwardContext] = {}
+        self.copied = None  # Platform.record_event() after the last step's uploads
+        self.replays = 0  # steps run from these graphs (the engine's stats: mixed_steps_replayed)
+
+    # int32 row layout: token seq lens [0, t) | query_start_loc [t, t + s + 1) | seq lens [t + s + 1, t + 2s + 1)
+    def _int32_views(self, buf: np.ndarray | torch.Tensor):
+        t, s = self.max_tokens, self.max_seqs
+        return buf[:t], buf[t:t + s + 1], buf[t + s + 1:]
+
+    def bucket_for(self, out: SchedulerOutput) -> int | None:
+        n = len(out.scheduled)
+        if out.num_decodes == n:  # (decode-only batches are pagoda.engine.graphs')
+            return None
+        tokens = sum(it.num_new_tokens for it in out.scheduled)
+        return next((b for b in self.buckets if tokens <= b and n <= self.capacity[b][1]), None)
+
+    def can_run(self, out: SchedulerOutput) -> bool:
+        """A batch with prefill chunks that fits a bucket and wants nothing a graph cannot give."""
+        if self.bucket_for(out) is None:
+            return False
+        return not any(it.seq.wants_prompt_logprobs for it in out.scheduled[out.num_decodes:])
+
+    # ------------------------------------------------------------------ per step
+    def stage(self, out: SchedulerOutput) -> tuple[int, int]:
+        """The host half: the step's inputs written and their uploads queued. Returns (bucket, sampling rows)."""
+        bucket = self.bucket_for(out)
+        tokens, seqs = self.capacity[bucket]
+        if self.copied is not None:  # the previous step's uploads must have left the host buffers
+            self.copied.synchronize()
+        a = step_arrays(out, self.block_size, self.width, self.num_groups)
+        t, n, k = len(a.ids), len(out.scheduled), len(a.sample_rows)
+        h64 = self.np64
+        h64[0, :t], h64[1, :t] = a.ids, a.positions
+        h64[:2, t:tokens] = 0
+        for g in range(self.num_groups):
+            h64[2 + g, :t] = a.slots[g]
+        h64[2:, t:tokens] = -1  # padding tokens store nothing (and count for no expert)
+        token_seq_lens, qsl, seq_lens = self._int32_views(self.np32)
+        token_seq_lens[:t], token_seq_lens[t:tokens] = a.token_seq_lens, 1
+        qsl[:n + 1], qsl[n + 1:seqs + 1] = a.query_start_loc, t  # padding sequences: no tokens
+        seq_lens[:n], seq_lens[n:seqs] = a.seq_lens, 0
+        for g in range(self.num_groups):
+            self.np_tables[g, :n] = a.tables[g]
+        self.np_sample[:k], self.np_sample[k:seqs] = a.sample_indices, 0
+        self.dev64[:, :tokens].copy_(self.host64[:, :tokens], non_blocking=True)
+        self.dev32.copy_(self.host32, non_blocking=True)
+        self.dev_tables[:, :n].copy_(self.host_tables[:, :n], non_blocking=True)
+        self.dev_sample[:k].copy_(self.host_sample[:k], non_blocking=True)
+        ctx = self.contexts[bucket]
+        for backend in self.runner.backends.values():
+            backend.fill_mixed_graph(ctx.attn_metadata.backend_data, a.query_start_loc, out.num_decodes)
+        self.copied = self.runner.platform.record_event()
+        return bucket, k
+
+    def replay(self, staged: tuple[int, int], patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The device half: logits [sampling rows, vocab]. ``patch`` (rows, ids) on the device replaces the
+        input ids of decode rows (tokens a step launched before is still computing)."""
+        bucket, k = staged
+        if patch is not None:
+            self.dev64[0].index_copy_(0, patch[0], patch[1])
+        graph = self.graphs[bucket]
+        graph.replay()
+        self.replays += 1
+        ctx = self.contexts[bucket]
+        if ctx.expert_counts:
+            self.runner._accumulate_experts(ctx)
+        return self.runner.model.compute_logits(graph.output.index_select(0, self.dev_sample[:k]))
+
+    def run(self, out: SchedulerOutput) -> torch.Tensor:
+        return self.replay(self.stage(out))
+
+    # ------------------------------------------------------------------ capture
+    def _context(self, bucket: int) -> tuple[ForwardContext, torch.Tensor, torch.Tensor]:
+        tokens, seqs = self.capacity[bucket]
+        token_seq_lens, qsl, seq_lens = self._int32_views(self.dev32)
+        tables = [self.dev_tables[g, :seqs] for g in range(self.num_groups)]
+        slots = [self.dev64[2 + g, :tokens] for g in range(self.num_groups)]
+        meta = AttentionMetadata(
+            num_tokens=tokens, num_seqs=seqs, num_decodes=0, max_query_len=tokens, max_seq_len=self.max_model_len,
+            block_size=self.block_size, query_start_loc=qsl[:seqs + 1], seq_lens=seq_lens[:seqs],
+            block_tables=tables[0], slot_mapping=slots[0], query_start_loc_cpu=[], seq_lens_cpu=[], for_graph=True,
+            mixed_graph=True)
+        ctx = prepared_context(meta, self.runner.backends, token_seq_lens=token_seq_lens[:tokens],
+                               group_tables=list(zip(tables[1:], slots[1:])))
+        return ctx, self.dev64[0, :tokens], self.dev64[1, :tokens]
+
+    def capture(self) -> None:
+        runner = self.runner
+        pool = runner.platform.graph_pool()
+        self.dev32.zero_()  # every sequence empty, no decode: the captures' attention reads nothing
+        self.dev64[2:].fill_(-1)
+        for bucket in reversed(self.buckets):  # largest first, so smaller ones reuse its memory
+            ctx, ids, positions = self._context(bucket)
+
+            def step(ids=ids, positions=positions, ctx=ctx):
+                with set_forward_context(ctx):
+                    ctx.expert_counts.clear()
+                    ctx.moe_pair_weights.clear()  # made inside the capture, from the graph's own slots
+                    return runner.model(ids, positions)
+
+            with torch.inference_mode():
+                step()
+                step()
+                self.graphs[bucket] = runner.platform.capture_graph(step, pool)
+            self.contexts[bucket] = ctx
+            pool = pool if pool is not None else runner.platform.graph_pool()
+        logger.info("captured %d graphs of steps that mix prefill chunks in (up to %d tokens)", len(self.graphs),
+                    self.buckets[-1])
