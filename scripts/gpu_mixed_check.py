@@ -41,9 +41,8 @@ for model_type, overrides in CASES.items():
         graphs, stats = run(path, dtype, False)
         same = sum(a == b for a, b in zip(eager, graphs))
         ok = same == len(eager) if dtype == "float32" else same >= len(eager) - 3
-        ok = ok and stats.get("mixed_steps_replayed", 0) > 10
+        ok = ok and stats.get("mixed_steps_replayed", 0) > 5
         failed += not ok
         print(f"{'ok  ' if ok else 'FAIL'} {model_type} {dtype}: {same}/{len(eager)} sequences equal to eager, "
-              f"{stats.get('mixed_steps_replayed')} mixed steps replayed of {stats['num_steps']}, "
-              f"{stats['num_preemptions']} preemptions")
+              f"{stats.get('mixed_steps_replayed')} mixed steps replayed of {stats['num_steps']}")
 sys.exit(1 if failed else 0)

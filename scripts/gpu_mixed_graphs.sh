@@ -2,9 +2,11 @@
 # Mixed-batch graphs (pagoda.engine.mixed_graphs) on one CUDA GPU: correctness against the eager engine
 # (scripts/gpu_mixed_check.py), the gpu-marked attention tests, then issue 16's server benchmark (qwen3-0.6b
 # shape, 64 concurrent, JSON schema against unconstrained; scripts/gpu_structured.sh) with cudagraph_mode FULL
-# (the default: steps with prefill chunks replayed) and FULL_DECODE_ONLY (those steps eager), interleaved.
+# (the default: steps with prefill chunks replayed) and FULL_DECODE_ONLY (those steps eager), interleaved;
+# before it, what one joining request costs the running batch in each mode (scripts/mixed_step_cost.py).
 # Run (device tool, carry [".whl"]): bash scripts/gpu_mixed_graphs.sh      (about 12 minutes)
-# Settings: MODES="FULL FULL_DECODE_ONLY" ROUNDS=1 CLIENT_PROCESSES=4 REPEATS=2 TESTS=1
+# Settings: MODES="FULL FULL_DECODE_ONLY" ROUNDS=1 (0: no server benchmark) CLIENT_PROCESSES=4 REPEATS=2 TESTS=1
+#   STEP_COST=1 (scripts/mixed_step_cost.py: a joining request's cost to a 64-sequence batch, per mode)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/mixed}
@@ -22,6 +24,13 @@ if [ "${TESTS:-1}" = 1 ]; then
   say "gpu-marked attention tests"
   timeout 300 $PY -m pytest -q -m gpu -p no:cacheprovider plugins/cuda/tests/test_attention.py 2>&1 | tail -3 \
     | tee -a "$LOG"
+fi
+if [ "${STEP_COST:-1}" = 1 ]; then
+  say "the cost of a request joining a running batch (scripts/mixed_step_cost.py)"
+  $PY scripts/structured_model.py /tmp/pagoda-structured-qwen3 >>"$LOG" 2>&1
+  for mode in ${MODES:-FULL FULL_DECODE_ONLY}; do
+    timeout 200 $PY scripts/mixed_step_cost.py /tmp/pagoda-structured-qwen3 "$mode" 2>>"$LOG" | tee -a "$LOG"
+  done
 fi
 for round in $(seq 1 "${ROUNDS:-1}"); do
   for mode in ${MODES:-FULL FULL_DECODE_ONLY}; do
