@@ -9,13 +9,15 @@ too: padding tokens write to slot -1 (and count for no expert), padding sequence
 number of decodes is read by the attention kernels on the device. The graph ends at the hidden states;
 the LM head runs after it on the sampling rows only (a [capacity, vocab] logits buffer per bucket would
 cost hundreds of MB with a large vocabulary). Steps over the largest bucket, and steps that need what a
-graph cannot hold (prompt logprobs, images, LoRA adapters, speculative decoding, tensor parallelism),
-stay eager.
+graph cannot hold (prompt logprobs, images, speculative decoding, tensor parallelism), stay eager. LoRA
+adapters are captured as in the decode graphs: each token's adapter slot (-1: the base, and padding), the
+tokens sorted by it, and the kernels' tiles in static buffers.
 
 Buffers, on the device with page-locked host mirrors copied once per step (the host waits for the
 previous step's copies before it writes the mirrors again): int64 rows [input ids, positions, slots of
-each KV cache group] x tokens; int32 [token seq lens x tokens | query_start_loc x (seqs + 1) | seq lens x
-seqs]; block tables [group, seqs, width] int32 (the rows in use copied); the sampling rows (int64).
+each KV cache group, (enable_lora) each token's adapter slot, the tokens sorted by it] x tokens; int32
+[token seq lens x tokens | query_start_loc x (seqs + 1) | seq lens x seqs]; block tables [group, seqs, width]
+int32 (the rows in use copied); the sampling rows (int64); (enable_lora) the LoRA tiles [3, max tiles].
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from pagoda.engine.inputs import step_arrays
 from pagoda.engine.scheduler import SchedulerOutput
 from pagoda.forward_context import AttentionMetadata, ForwardContext, prepared_context, set_forward_context
+from pagoda.lora.ops import max_tiles, token_tiles
 
 logger = logging.getLogger("pagoda")
 
@@ -43,8 +46,8 @@ def why_not_mixed(runner) -> str | None:
     backends = list(runner.backends.values())
     if len(backends) != 1 or not backends[0].supports_mixed_graphs:
         return f"attention backend {', '.join(b.name for b in backends)} captures decode-only batches"
-    if runner.lora is not None or runner.multimodal is not None:
-        return "LoRA adapters and images are per step"
+    if runner.multimodal is not None:
+        return "images are per step"
     if runner.config.speculative_config:
         return "speculative decoding reads the steps' hidden states"
     if get_tp_size() > 1:
@@ -65,7 +68,12 @@ class MixedGraphs:
         self.max_model_len = max_model_len
         self.num_groups = g = runner.kv_layout.num_groups
         host, dev = runner.platform.host_buffer, runner.device
-        self.host64 = host((2 + g, t), torch.int64)
+        self.lora = runner.lora
+        self.host64 = host((2 + g + 2 * (self.lora is not None), t), torch.int64)
+        # (enable_lora) the LoRA kernels' tiles (pagoda.lora.ops.token_tiles), padded per bucket
+        self.tile_width = max_tiles(t, self.lora.max_loras) if self.lora is not None else 0
+        self.host_tiles = host((3, self.tile_width), torch.int64)
+        self.dev_tiles = torch.zeros(3, self.tile_width, dtype=torch.int64, device=dev)
         self.host32 = host((t + 2 * s + 1,), torch.int32)
         self.host_tables = host((g, s, self.width), torch.int32)
         self.host_sample = host((s,), torch.int64)
@@ -114,6 +122,18 @@ class MixedGraphs:
         for g in range(self.num_groups):
             h64[2 + g, :t] = a.slots[g]
         h64[2:, t:tokens] = -1  # padding tokens store nothing (and count for no expert)
+        if self.lora is not None:  # each token's adapter slot, the tokens sorted by it, their tiles
+            lora_row = 2 + self.num_groups
+            per_seq = self.lora.sequence_slots(out)
+            if per_seq is not None:
+                counts = np.diff(a.query_start_loc)
+                h64[lora_row, :t] = np.repeat(per_seq, counts)
+            else:
+                h64[lora_row, :t] = -1
+            order = np.argsort(h64[lora_row, :tokens], kind="stable")  # (padding, slot -1, sorts first)
+            h64[lora_row + 1, :tokens] = order
+            width = max_tiles(tokens, self.lora.max_loras)
+            self.host_tiles.numpy()[:, :width] = token_tiles(h64[lora_row, :tokens][order], pad_to=width)
         token_seq_lens, qsl, seq_lens = self._int32_views(self.np32)
         token_seq_lens[:t], token_seq_lens[t:tokens] = a.token_seq_lens, 1
         qsl[:n + 1], qsl[n + 1:seqs + 1] = a.query_start_loc, t  # padding sequences: no tokens
@@ -125,6 +145,8 @@ class MixedGraphs:
         self.dev32.copy_(self.host32, non_blocking=True)
         self.dev_tables[:, :n].copy_(self.host_tables[:, :n], non_blocking=True)
         self.dev_sample[:k].copy_(self.host_sample[:k], non_blocking=True)
+        if self.tile_width:
+            self.dev_tiles.copy_(self.host_tiles, non_blocking=True)
         ctx = self.contexts[bucket]
         for backend in self.runner.backends.values():
             backend.fill_mixed_graph(ctx.attn_metadata.backend_data, a.query_start_loc, out.num_decodes)
@@ -159,8 +181,15 @@ class MixedGraphs:
             block_size=self.block_size, query_start_loc=qsl[:seqs + 1], seq_lens=seq_lens[:seqs],
             block_tables=tables[0], slot_mapping=slots[0], query_start_loc_cpu=[], seq_lens_cpu=[], for_graph=True,
             mixed_graph=True)
+        lora = None
+        if self.lora is not None:  # the LoRA update is always captured; base and padding tokens have slot -1
+            from pagoda.lora.manager import LoRAMapping
+
+            row = 2 + self.num_groups
+            lora = LoRAMapping(self.dev64[row, :tokens], True, self.dev64[row + 1, :tokens],
+                               self.dev_tiles[:, :max_tiles(tokens, self.lora.max_loras)])
         ctx = prepared_context(meta, self.runner.backends, token_seq_lens=token_seq_lens[:tokens],
-                               group_tables=list(zip(tables[1:], slots[1:])))
+                               group_tables=list(zip(tables[1:], slots[1:])), lora=lora)
         return ctx, self.dev64[0, :tokens], self.dev64[1, :tokens]
 
     def capture(self) -> None:
@@ -168,6 +197,9 @@ class MixedGraphs:
         pool = runner.platform.graph_pool()
         self.dev32.zero_()  # every sequence empty, no decode: the captures' attention reads nothing
         self.dev64[2:].fill_(-1)
+        if self.lora is not None:  # no tiles (the capture runs no adapter); the order a permutation
+            self.dev_tiles.zero_()
+            self.dev64[3 + self.num_groups].copy_(torch.arange(self.max_tokens))
         for bucket in reversed(self.buckets):  # largest first, so smaller ones reuse its memory
             ctx, ids, positions = self._context(bucket)
 

@@ -111,3 +111,32 @@ def test_steps_ahead_with_early_stops(tmp_path, replay_cpu):
     assert [o.outputs[0].token_ids for o in outs] == want
     assert llm.engine.pipeline.launched_ahead > 3
     assert llm.get_stats()["kv_blocks_used"] == 0
+
+
+def test_mixed_steps_with_lora_adapters_match_peft(tmp_path, replay_cpu):
+    """Two adapters and the base model in one batch while requests keep joining: the steps with prefill
+    chunks replay the mixed graphs with each token's adapter slot, the tokens sorted by it and the kernels'
+    tiles in static buffers (padding tokens: slot -1); transformers+peft's greedy tokens."""
+    pytest.importorskip("peft")
+    from pagoda.lora import LoRARequest
+    from pagoda.testing.lora import make_peft_adapter, peft_greedy_tokens
+
+    base = make_tiny_checkpoint("llama", tmp_path / "base", seed=3, **dict(TINY, vocab_size=260))
+    a1 = make_peft_adapter(base, tmp_path / "a1", r=4, lora_alpha=8, seed=1)
+    a2 = make_peft_adapter(base, tmp_path / "a2", r=8, lora_alpha=16, use_rslora=True, seed=2)
+    prompts = random_prompts(6, 260, 5, 30, seed=4)
+    adapters = {"a1": a1, "base": None, "a2": a2}
+    want = {name: peft_greedy_tokens(base, path, prompts, 8) for name, path in adapters.items()}
+    llm = LLM(model=str(base), device="cpu", dtype="float32", attention_backend="triton", enable_lora=True,
+              max_loras=2, max_lora_rank=8, block_size=8, num_kv_blocks=64, max_num_seqs=4,
+              max_num_batched_tokens=40, max_model_len=64)
+    assert llm.engine.runner.mixed_graphs is not None
+    requests = {"a1": LoRARequest("a1", 1, str(a1)), "base": None, "a2": LoRARequest("a2", 2, str(a2))}
+    names = [n for _ in prompts for n in adapters]  # the adapters interleaved, so batches mix them
+    outs = llm.generate([p for p in prompts for _ in adapters], SamplingParams(temperature=0, max_tokens=8,
+                                                                               ignore_eos=True),
+                        lora_request=[requests[n] for n in names])
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == [want[n][i // len(adapters)] for i, n in enumerate(names)]
+    assert llm.get_stats()["mixed_steps_replayed"] > 5
+    assert want["a1"] != want["base"] != want["a2"]  # the adapters change the tokens
