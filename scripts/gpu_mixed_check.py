@@ -12,7 +12,7 @@ from pagoda import LLM, SamplingParams
 from pagoda.testing import make_tiny_checkpoint, random_prompts
 
 BASE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
+            num_key_value_heads=2, head_dim=32, max_position_embeddings=1024)
 CASES = {
     "qwen3": BASE,
     "gemma3_text": dict(BASE, sliding_window=24, query_pre_attn_scalar=32,
@@ -22,11 +22,13 @@ CASES = {
 }
 
 
-def run(path, dtype, eager):
+def run(path, dtype, eager, budget):
+    """``budget`` 256: 5-120-token prompts (the 128 and 256 buckets); 1,024: 100-900 (up to the 1,024 bucket)."""
     llm = LLM(model=str(path), device=os.environ.get("DEVICE", "cuda"), dtype=dtype, max_num_seqs=8,
-              max_num_batched_tokens=256, max_model_len=256, enforce_eager=eager, num_kv_blocks=48, block_size=16,
-              seed=0)
-    prompts = random_prompts(40, 512, 5, 120, seed=3)  # 40 prompts, 8 seats: they keep joining
+              max_num_batched_tokens=budget, max_model_len=1024, enforce_eager=eager, num_kv_blocks=400,
+              block_size=16, seed=0)
+    short = budget == 256
+    prompts = random_prompts(40, 512, 5 if short else 100, 120 if short else 900, seed=3)  # 8 seats: they join
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     stats = llm.get_stats()
     llm.shutdown()
@@ -36,13 +38,14 @@ def run(path, dtype, eager):
 failed = 0
 for model_type, overrides in CASES.items():
     path = make_tiny_checkpoint(model_type, tempfile.mkdtemp(), seed=5, **overrides)
-    for dtype in ("float32", "bfloat16"):
-        eager, _ = run(path, dtype, True)
-        graphs, stats = run(path, dtype, False)
+    for dtype, budget in (("float32", 256), ("bfloat16", 256), ("float32", 1024)):
+        eager, _ = run(path, dtype, True, budget)
+        graphs, stats = run(path, dtype, False, budget)
         same = sum(a == b for a, b in zip(eager, graphs))
         ok = same == len(eager) if dtype == "float32" else same >= len(eager) - 3
         ok = ok and stats.get("mixed_steps_replayed", 0) > 5
         failed += not ok
-        print(f"{'ok  ' if ok else 'FAIL'} {model_type} {dtype}: {same}/{len(eager)} sequences equal to eager, "
+        print(f"{'ok  ' if ok else 'FAIL'} {model_type} {dtype}, {budget}-token steps: {same}/{len(eager)} sequences "
+              f"equal to eager, "
               f"{stats.get('mixed_steps_replayed')} mixed steps replayed of {stats['num_steps']}")
 sys.exit(1 if failed else 0)

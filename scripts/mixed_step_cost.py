@@ -1,11 +1,13 @@
 """What a request joining a running batch costs the batch: ``step()`` calls of an engine decoding 64
-sequences, timed with a new 64-token prompt (max_tokens 1: it leaves after its prefill) every 4th call and
+sequences, timed with a new prompt (PROMPT_LEN tokens, 64 by default; max_tokens 1: it leaves after its
+prefill) every 4th call and
 without; (with - without) / arrivals = the extra wall time of a step that holds a prefill chunk. Run once per
 ``cudagraph_mode`` (FULL: such steps replayed from graphs, pagoda.engine.mixed_graphs; FULL_DECODE_ONLY: eager).
 
     python scripts/mixed_step_cost.py MODEL FULL|FULL_DECODE_ONLY
 """
 
+import os
 import statistics
 import sys
 import time
@@ -15,6 +17,7 @@ from pagoda.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
 
 model, mode = sys.argv[1], sys.argv[2]
+prompt_len = int(os.environ.get("PROMPT_LEN", "64"))  # the joining request's prompt
 engine = LLMEngine(EngineConfig(model=model, load_format="dummy", max_num_seqs=128, max_model_len=4096,
                                 cudagraph_mode=mode, seed=0))
 long = SamplingParams(temperature=0, max_tokens=3500, ignore_eos=True)
@@ -32,7 +35,7 @@ def timed(calls: int, every: int | None) -> float:
     for c in range(calls):
         if every and c % every == 0:
             arrivals += 1
-            engine.add_request(f"new-{arrivals}", list(range(1000 + arrivals, 1064 + arrivals)), short)
+            engine.add_request(f"new-{arrivals}", list(range(1000 + arrivals, 1000 + prompt_len + arrivals)), short)
         engine.step()
     return time.perf_counter() - start
 
@@ -45,6 +48,7 @@ for _ in range(5):  # interleaved
 extra = statistics.median(r[0] for r in rows)
 step = statistics.median(r[1] for r in rows)
 stats = engine.get_stats()
-print(f"cudagraph_mode {mode}: decode step {step:.3f} ms; a step with a 64-token prompt joining costs {extra:.3f} ms "
+print(f"cudagraph_mode {mode}: decode step {step:.3f} ms; a step with a {prompt_len}-token prompt joining costs "
+      f"{extra:.3f} ms "
       f"more (median of 5 x 50 arrivals; runs {', '.join(f'{r[0]:.2f}' for r in rows)}); mixed steps replayed "
       f"{stats.get('mixed_steps_replayed', 0)} of {stats['num_steps']}")

@@ -34,7 +34,7 @@ from pagoda.lora.ops import max_tiles, token_tiles
 
 logger = logging.getLogger("pagoda")
 
-BUCKETS = (128, 256, 512)  # token counts a mixed step is padded to (capped by max_num_batched_tokens)
+BUCKETS = (128, 256, 512, 1024)  # token counts a mixed step is padded to (capped by max_num_batched_tokens)
 
 
 def why_not_mixed(runner) -> str | None:
