@@ -77,8 +77,13 @@ def processor_without_weights(config, source, hf_config) -> MultiModalProcessor 
     from pagoda.interfaces import supports_multimodal
     from pagoda.selection import resolve_model_class
 
-    cls = resolve_model_class(list(getattr(hf_config, "architectures", None) or []), str(source.path),
-                              model_impl=config.model_impl, hf_config=hf_config)
+    if config.runner == "pooling":  # (its requests take no images)
+        return None
+    try:
+        cls = resolve_model_class(list(getattr(hf_config, "architectures", None) or []), str(source.path),
+                                  model_impl=config.model_impl, hf_config=hf_config)
+    except Exception:  # noqa: BLE001 - the engine's own load reports it, with its context
+        return None
     if not supports_multimodal(cls):
         return None
     with torch.device("meta"):
