@@ -16,8 +16,9 @@ tokens sorted by it, and the kernels' tiles in static buffers.
 Buffers, on the device with page-locked host mirrors copied once per step (the host waits for the
 previous step's copies before it writes the mirrors again): int64 rows [input ids, positions, slots of
 each KV cache group, (enable_lora) each token's adapter slot, the tokens sorted by it] x tokens; int32
-[token seq lens x tokens | query_start_loc x (seqs + 1) | seq lens x seqs]; block tables [group, seqs, width]
-int32 (the rows in use copied); the sampling rows (int64); (enable_lora) the LoRA tiles [3, max tiles].
+[token seq lens x tokens | query_start_loc x (seqs + 1) | seq lens x seqs]; block tables [group, block index,
+sequence] int32 (the graphs see each group's transpose; the block indices in use copied, one run per
+group); the sampling rows (int64); (enable_lora) the LoRA tiles [3, max tiles].
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class MixedGraphs:
         self.host_tiles = host((3, self.tile_width), torch.int64)
         self.dev_tiles = torch.zeros(3, self.tile_width, dtype=torch.int64, device=dev)
         self.host32 = host((t + 2 * s + 1,), torch.int32)
-        self.host_tables = host((g, s, self.width), torch.int32)
+        self.host_tables = host((g, self.width, s), torch.int32)  # [group, block index, sequence]
         self.host_sample = host((s,), torch.int64)
         self.dev64 = torch.zeros(self.host64.shape, dtype=torch.int64, device=dev)
         self.dev32 = torch.zeros(self.host32.shape, dtype=torch.int32, device=dev)
@@ -114,8 +115,9 @@ class MixedGraphs:
         tokens, seqs = self.capacity[bucket]
         if self.copied is not None:  # the previous step's uploads must have left the host buffers
             self.copied.synchronize()
-        a = step_arrays(out, self.block_size, self.width, self.num_groups)
+        a = step_arrays(out, self.block_size, num_groups=self.num_groups)  # tables as wide as this step needs
         t, n, k = len(a.ids), len(out.scheduled), len(a.sample_rows)
+        w = min(a.tables[0].shape[1], self.width)
         h64 = self.np64
         h64[0, :t], h64[1, :t] = a.ids, a.positions
         h64[:2, t:tokens] = 0
@@ -139,11 +141,11 @@ class MixedGraphs:
         qsl[:n + 1], qsl[n + 1:seqs + 1] = a.query_start_loc, t  # padding sequences: no tokens
         seq_lens[:n], seq_lens[n:seqs] = a.seq_lens, 0
         for g in range(self.num_groups):
-            self.np_tables[g, :n] = a.tables[g]
+            self.np_tables[g, :w, :n] = a.tables[g][:, :w].T  # (entries past a row's blocks are never read)
         self.np_sample[:k], self.np_sample[k:seqs] = a.sample_indices, 0
         self.dev64[:, :tokens].copy_(self.host64[:, :tokens], non_blocking=True)
         self.dev32.copy_(self.host32, non_blocking=True)
-        self.dev_tables[:, :n].copy_(self.host_tables[:, :n], non_blocking=True)
+        self.dev_tables[:, :w].copy_(self.host_tables[:, :w], non_blocking=True)  # (contiguous per group)
         self.dev_sample[:k].copy_(self.host_sample[:k], non_blocking=True)
         if self.tile_width:
             self.dev_tiles.copy_(self.host_tiles, non_blocking=True)
@@ -174,7 +176,7 @@ class MixedGraphs:
     def _context(self, bucket: int) -> tuple[ForwardContext, torch.Tensor, torch.Tensor]:
         tokens, seqs = self.capacity[bucket]
         token_seq_lens, qsl, seq_lens = self._int32_views(self.dev32)
-        tables = [self.dev_tables[g, :seqs] for g in range(self.num_groups)]
+        tables = [self.dev_tables[g].t()[:seqs] for g in range(self.num_groups)]  # [seqs, width], strides (1, s)
         slots = [self.dev64[2 + g, :tokens] for g in range(self.num_groups)]
         meta = AttentionMetadata(
             num_tokens=tokens, num_seqs=seqs, num_decodes=0, max_query_len=tokens, max_seq_len=self.max_model_len,
