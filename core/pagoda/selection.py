@@ -282,16 +282,3 @@ def select_reasoning_parser(name: str | None, chat_template: str | None = None,
         if name is None:
             return None
     return get_reasoning_parser(name, reg, source)
-
-
-def model_takes_images(source: Any, hf_config: Any, model_impl: str = "auto") -> bool:
-    """Whether a checkpoint's model class embeds images (``SupportsMultiModal``), read from its
-    architecture before any weight loads; False where no class resolves (the load says why)."""
-    from pagoda.interfaces import supports_multimodal
-
-    try:
-        cls = resolve_model_class(list(getattr(hf_config, "architectures", None) or []), str(source.path),
-                                  model_impl=model_impl, hf_config=hf_config)
-    except Exception:  # noqa: BLE001 - reported by the load itself, with its context
-        return False
-    return supports_multimodal(cls)

@@ -41,6 +41,7 @@ from pagoda.engine.prompt_ids import prompt_token_ids as prompt_ids
 from pagoda.errors import ConfigError, RequestError
 from pagoda.multimodal.inputs import block_key_images, for_transfer
 from pagoda.multimodal.processor import processor_without_weights
+from pagoda.multimodal.prompts import prompt_with_images
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.pooling.engine import check_pooling_params, fit_prompt, refuse_pooling_on_a_generator
 from pagoda.pooling.params import PoolingParams
@@ -253,15 +254,7 @@ class DataParallelEngine:
             raise RequestError(f"request id {request_id!r} is already in use", field="request_id")
         text = prompt if isinstance(prompt, str) else None
         prompt_token_ids = prompt_ids(prompt, prompt_token_ids, self.tokenize)
-        if multi_modal_data is not None and mm_inputs is None:  # (LLMEngine.add_request's order)
-            images = self.mm_processor.images_of(multi_modal_data) if self.mm_processor is not None \
-                else [(None, "multi_modal_data")]
-            mm_inputs = self.process_multimodal(list(prompt_token_ids), images)
-        if mm_inputs is not None:
-            if params.truncate_prompt_tokens is not None:
-                raise RequestError("truncate_prompt_tokens cannot cut a prompt with images",
-                                   field="truncate_prompt_tokens")
-            prompt_token_ids = mm_inputs.prompt_token_ids
+        prompt_token_ids, mm_inputs = prompt_with_images(self, prompt_token_ids, multi_modal_data, mm_inputs, params)
         if pooled:
             prompt_token_ids = fit_prompt(prompt_token_ids, self.max_model_len, params.truncate_prompt_tokens, "prompt")
         else:

@@ -34,6 +34,25 @@ def bucket_sizes(max_bs: int) -> list[int]:
     return sorted(set(sizes + [max_bs]))
 
 
+def capture_forward(runner, ctx: ForwardContext, ids: torch.Tensor, positions: torch.Tensor, pool,
+                    logits: bool) -> object:
+    """The model's forward over static ``ids`` / ``positions`` under ``ctx``, run twice (kernels compiled,
+    allocations settled) then captured into ``pool``; its output: the logits of every row, or (``logits``
+    False) the hidden states."""
+
+    def step():
+        with set_forward_context(ctx):
+            ctx.expert_counts.clear()
+            ctx.moe_pair_weights.clear()  # made inside the capture, from the graph's own slots
+            hidden = runner.model(ids, positions)
+            return runner.model.compute_logits(hidden) if logits else hidden
+
+    with torch.inference_mode():
+        step()
+        step()
+        return runner.platform.capture_graph(step, pool)
+
+
 class DecodeGraphs:
     def __init__(self, runner, max_num_seqs: int, max_model_len: int):
         self.runner = runner
@@ -205,17 +224,7 @@ class DecodeGraphs:
             ctx = prepared_context(meta, runner.backends, token_seq_lens=token_seq_lens, group_tables=groups,
                                    lora=lora)
 
-            def step(ids=ids, positions=positions, ctx=ctx):
-                with set_forward_context(ctx):
-                    ctx.expert_counts.clear()
-                    ctx.moe_pair_weights.clear()  # made inside the capture, from the graph's own slots
-                    hidden = runner.model(ids, positions)
-                    return runner.model.compute_logits(hidden)
-
-            with torch.inference_mode():
-                step()
-                step()
-                self.graphs[bucket] = runner.platform.capture_graph(step, pool)
+            self.graphs[bucket] = capture_forward(runner, ctx, ids, positions, pool, logits=True)
             self.contexts[bucket] = ctx
             pool = pool if pool is not None else runner.platform.graph_pool()
         # the captures wrote zeros into the table: every row must be rewritten before use

@@ -25,6 +25,7 @@ from pagoda.errors import ConfigError, RequestError
 from pagoda.layers.rotary import rope_parameters_of, uses_sequence_length
 from pagoda.loader.model_loader import load_config
 from pagoda.loader.source import resolve_source
+from pagoda.multimodal.prompts import prompt_with_images
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.selection import select_platform
@@ -206,15 +207,7 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already in use", field="request_id")
         text = prompt if isinstance(prompt, str) else None
         prompt_token_ids = prompt_ids(prompt, prompt_token_ids, self.tokenize)
-        if multi_modal_data is not None and mm_inputs is None:
-            images = self.mm_processor.images_of(multi_modal_data) if self.mm_processor is not None \
-                else [(None, "multi_modal_data")]
-            mm_inputs = self.process_multimodal(list(prompt_token_ids), images)
-        if mm_inputs is not None:
-            if params.truncate_prompt_tokens is not None:
-                raise RequestError("truncate_prompt_tokens cannot cut a prompt with images",
-                                   field="truncate_prompt_tokens")
-            prompt_token_ids = mm_inputs.prompt_token_ids
+        prompt_token_ids, mm_inputs = prompt_with_images(self, prompt_token_ids, multi_modal_data, mm_inputs, params)
         prompt_token_ids = truncate_prompt_ids(prompt_token_ids, params.truncate_prompt_tokens, self.max_model_len)
         check_prompt_ids(prompt_token_ids, self.hf_config.vocab_size)
         budget = self.max_model_len - len(prompt_token_ids)

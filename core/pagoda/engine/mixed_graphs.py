@@ -28,9 +28,10 @@ import logging
 import numpy as np
 import torch
 
+from pagoda.engine.graphs import capture_forward
 from pagoda.engine.inputs import step_arrays
 from pagoda.engine.scheduler import SchedulerOutput
-from pagoda.forward_context import AttentionMetadata, ForwardContext, prepared_context, set_forward_context
+from pagoda.forward_context import AttentionMetadata, ForwardContext, prepared_context
 from pagoda.lora.ops import max_tiles, token_tiles
 
 logger = logging.getLogger("pagoda")
@@ -84,6 +85,7 @@ class MixedGraphs:
         self.dev_sample = torch.zeros(self.host_sample.shape, dtype=torch.int64, device=dev)
         self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
         self.np_tables, self.np_sample = self.host_tables.numpy(), self.host_sample.numpy()
+        self.np_tiles = self.host_tiles.numpy()
         self.max_tokens, self.max_seqs = t, s
         self.graphs: dict[int, object] = {}
         self.contexts: dict[int, ForwardContext] = {}
@@ -135,7 +137,7 @@ class MixedGraphs:
             order = np.argsort(h64[lora_row, :tokens], kind="stable")  # (padding, slot -1, sorts first)
             h64[lora_row + 1, :tokens] = order
             width = max_tiles(tokens, self.lora.max_loras)
-            self.host_tiles.numpy()[:, :width] = token_tiles(h64[lora_row, :tokens][order], pad_to=width)
+            self.np_tiles[:, :width] = token_tiles(h64[lora_row, :tokens][order], pad_to=width)
         token_seq_lens, qsl, seq_lens = self._int32_views(self.np32)
         token_seq_lens[:t], token_seq_lens[t:tokens] = a.token_seq_lens, 1
         qsl[:n + 1], qsl[n + 1:seqs + 1] = a.query_start_loc, t  # padding sequences: no tokens
@@ -204,17 +206,7 @@ class MixedGraphs:
             self.dev64[3 + self.num_groups].copy_(torch.arange(self.max_tokens))
         for bucket in reversed(self.buckets):  # largest first, so smaller ones reuse its memory
             ctx, ids, positions = self._context(bucket)
-
-            def step(ids=ids, positions=positions, ctx=ctx):
-                with set_forward_context(ctx):
-                    ctx.expert_counts.clear()
-                    ctx.moe_pair_weights.clear()  # made inside the capture, from the graph's own slots
-                    return runner.model(ids, positions)
-
-            with torch.inference_mode():
-                step()
-                step()
-                self.graphs[bucket] = runner.platform.capture_graph(step, pool)
+            self.graphs[bucket] = capture_forward(runner, ctx, ids, positions, pool, logits=False)
             self.contexts[bucket] = ctx
             pool = pool if pool is not None else runner.platform.graph_pool()
         logger.info("captured %d graphs of steps that mix prefill chunks in (up to %d tokens)", len(self.graphs),

@@ -33,6 +33,22 @@ def _split(engine, prompt: Any, index: int):
     return text, token_ids, images
 
 
+def prompt_with_images(engine, prompt_token_ids: list[int], multi_modal_data: Any, mm_inputs: Any,
+                       params: Any) -> tuple[list[int], Any]:
+    """``add_request``'s images, for either engine (``LLMEngine``, or the front of engines in other processes):
+    ``multi_modal_data`` processed unless ``mm_inputs`` already is. Returns (the prompt's ids with every
+    placeholder expanded, ``MultiModalInputs`` or None)."""
+    if multi_modal_data is not None and mm_inputs is None:
+        proc = engine.mm_processor
+        images = proc.images_of(multi_modal_data) if proc is not None else [(None, "multi_modal_data")]
+        mm_inputs = engine.process_multimodal(list(prompt_token_ids), images)
+    if mm_inputs is None:
+        return prompt_token_ids, None
+    if params.truncate_prompt_tokens is not None:
+        raise RequestError("truncate_prompt_tokens cannot cut a prompt with images", field="truncate_prompt_tokens")
+    return mm_inputs.prompt_token_ids, mm_inputs
+
+
 def prepare_prompts(engine, prompts: list) -> list[tuple[Any, dict]]:
     """(prompt, extra add_request keywords) of each prompt, images processed (in parallel)."""
     split = [_split(engine, p, i) for i, p in enumerate(prompts)]
