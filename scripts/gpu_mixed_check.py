@@ -12,7 +12,7 @@ from pagoda import LLM, SamplingParams
 from pagoda.testing import make_tiny_checkpoint, random_prompts
 
 BASE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32, max_position_embeddings=1024)
+            num_key_value_heads=2, head_dim=32, max_position_embeddings=4096)
 CASES = {
     "qwen3": BASE,
     "gemma3_text": dict(BASE, sliding_window=24, query_pre_attn_scalar=32,
@@ -22,13 +22,16 @@ CASES = {
 }
 
 
+PROMPTS = {256: (5, 120), 1024: (100, 900), 4096: (500, 3500)}  # prompt lengths per step budget
+
+
 def run(path, dtype, eager, budget):
-    """``budget`` 256: 5-120-token prompts (the 128 and 256 buckets); 1,024: 100-900 (up to the 1,024 bucket)."""
+    """``budget`` 256: 5-120-token prompts (the 128 and 256 buckets); 1,024: 100-900 (up to the 1,024 bucket);
+    4,096: 500-3,500 (every bucket to 4,096, all captured: max_cudagraph_capture_size)."""
     llm = LLM(model=str(path), device=os.environ.get("DEVICE", "cuda"), dtype=dtype, max_num_seqs=8,
-              max_num_batched_tokens=budget, max_model_len=1024, enforce_eager=eager, num_kv_blocks=400,
-              block_size=16, seed=0)
-    short = budget == 256
-    prompts = random_prompts(40, 512, 5 if short else 100, 120 if short else 900, seed=3)  # 8 seats: they join
+              max_num_batched_tokens=budget, max_model_len=4096, enforce_eager=eager, num_kv_blocks=2400,
+              block_size=16, seed=0, max_cudagraph_capture_size=budget)
+    prompts = random_prompts(40, 512, *PROMPTS[budget], seed=3)  # 8 seats: they join running batches
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     stats = llm.get_stats()
     llm.shutdown()
@@ -38,7 +41,7 @@ def run(path, dtype, eager, budget):
 failed = 0
 for model_type, overrides in CASES.items():
     path = make_tiny_checkpoint(model_type, tempfile.mkdtemp(), seed=5, **overrides)
-    for dtype, budget in (("float32", 256), ("bfloat16", 256), ("float32", 1024)):
+    for dtype, budget in (("float32", 256), ("bfloat16", 256), ("float32", 1024), ("float32", 4096)):
         eager, _ = run(path, dtype, True, budget)
         graphs, stats = run(path, dtype, False, budget)
         same = sum(a == b for a, b in zip(eager, graphs))

@@ -18,8 +18,8 @@ from pagoda.engine.llm_engine import LLMEngine
 
 model, mode = sys.argv[1], sys.argv[2]
 prompt_len = int(os.environ.get("PROMPT_LEN", "64"))  # the joining request's prompt
-engine = LLMEngine(EngineConfig(model=model, load_format="dummy", max_num_seqs=128, max_model_len=4096,
-                                cudagraph_mode=mode, seed=0))
+engine = LLMEngine(EngineConfig(model=model, load_format="dummy", max_num_seqs=128,
+                                max_model_len=max(4096, prompt_len + 64), cudagraph_mode=mode, seed=0))
 long = SamplingParams(temperature=0, max_tokens=3500, ignore_eos=True)
 short = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 for i in range(64):
@@ -51,4 +51,5 @@ stats = engine.get_stats()
 print(f"cudagraph_mode {mode}: decode step {step:.3f} ms; a step with a {prompt_len}-token prompt joining costs "
       f"{extra:.3f} ms "
       f"more (median of 5 x 50 arrivals; runs {', '.join(f'{r[0]:.2f}' for r in rows)}); mixed steps replayed "
-      f"{stats.get('mixed_steps_replayed', 0)} of {stats['num_steps']}")
+      f"{stats.get('mixed_steps_replayed', 0)} of {stats['num_steps']}; buckets "
+      f"{engine.runner.mixed_graphs.buckets if engine.runner.mixed_graphs else None}")

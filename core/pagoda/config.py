@@ -68,6 +68,12 @@ class EngineConfig(BaseModel):
         "FULL", description="which steps replay captured graphs (vLLM's compilation_config.cudagraph_mode "
                             "values): FULL, decode-only steps and steps that mix prefill chunks in (where the "
                             "attention backend captures those); FULL_DECODE_ONLY, decode-only steps")
+    max_cudagraph_capture_size: int | None = Field(
+        None, gt=0, description="largest step, in tokens, replayed from a captured graph (vLLM's compilation_"
+                                "config key): decode batches up to it (and max_num_seqs), steps with prefill "
+                                "chunks up to it (and the step token budget); unset: decode batches up to 512, "
+                                "steps with prefill chunks up to 1024 tokens and, above that, up to the step "
+                                "token budget where a replay timed at start-up beats the eager step")
     async_scheduling: bool | None = Field(None, description="launch streamed steps (the server) before the "
                                           "previous step's tokens reach the host, as offline batches are "
                                           "(requests without logprobs or logits processing; docs/cuda.md); unset: "

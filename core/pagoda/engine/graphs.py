@@ -17,6 +17,7 @@ left a window are never read, so a released entry is not rewritten.
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -35,10 +36,10 @@ def bucket_sizes(max_bs: int) -> list[int]:
 
 
 def capture_forward(runner, ctx: ForwardContext, ids: torch.Tensor, positions: torch.Tensor, pool,
-                    logits: bool) -> object:
+                    logits: bool, eager_seconds: list | None = None) -> object:
     """The model's forward over static ``ids`` / ``positions`` under ``ctx``, run twice (kernels compiled,
     allocations settled) then captured into ``pool``; its output: the logits of every row, or (``logits``
-    False) the hidden states."""
+    False) the hidden states. ``eager_seconds`` receives the second eager run's wall time (host and device)."""
 
     def step():
         with set_forward_context(ctx):
@@ -49,14 +50,26 @@ def capture_forward(runner, ctx: ForwardContext, ids: torch.Tensor, positions: t
 
     with torch.inference_mode():
         step()
-        step()
+        if eager_seconds is None:
+            step()
+        else:
+            eager_seconds.append(timed(runner.platform, step))
         return runner.platform.capture_graph(step, pool)
+
+
+def timed(platform, fn) -> float:
+    """Wall seconds of ``fn()`` and the device work it queues."""
+    platform.synchronize()
+    start = time.perf_counter()
+    fn()
+    platform.synchronize()
+    return time.perf_counter() - start
 
 
 class DecodeGraphs:
     def __init__(self, runner, max_num_seqs: int, max_model_len: int):
         self.runner = runner
-        self.max_bs = min(max_num_seqs, 512)
+        self.max_bs = min(max_num_seqs, runner.config.max_cudagraph_capture_size or 512)
         self.block_size = runner.config.block_size
         self.width = -(-max_model_len // self.block_size)
         self.max_model_len = max_model_len

@@ -98,7 +98,8 @@ class LLMEngine:
                                    max_loras=config.max_loras if config.enable_lora else None)
         if config.runner != "pooling":  # (a pooling runner only prefills: decode graphs would go unused)
             graph_batch = self.speculative.graph_batch_size(config.max_num_seqs) if self.speculative else None
-            self.runner.capture_graphs(graph_batch or config.max_num_seqs, self.max_model_len)
+            self.runner.capture_graphs(graph_batch or config.max_num_seqs, self.max_model_len,
+                                       self.step_budget.tokens)
         # offline steps launched ahead of the host work (pagoda.engine.pipeline), on one device or over
         # tensor-parallel ranks, where the platform queues work asynchronously (pipeline stages: not yet)
         self.pipeline: StepPipeline | None = None

@@ -28,7 +28,7 @@ import logging
 import numpy as np
 import torch
 
-from pagoda.engine.graphs import capture_forward
+from pagoda.engine.graphs import capture_forward, timed
 from pagoda.engine.inputs import step_arrays
 from pagoda.engine.scheduler import SchedulerOutput
 from pagoda.forward_context import AttentionMetadata, ForwardContext, prepared_context
@@ -36,7 +36,38 @@ from pagoda.lora.ops import max_tiles, token_tiles
 
 logger = logging.getLogger("pagoda")
 
-BUCKETS = (128, 256, 512, 1024)  # token counts a mixed step is padded to (capped by max_num_batched_tokens)
+# token counts a mixed step is padded to, below the step token budget (which is the last); a step at most 1.5x
+# smaller than its bucket
+BUCKETS = (128, 256, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
+# Up to this many tokens a bucket is always replayed: an eager step that small is bound by the host's launches
+# on every GPU measured (~30 ms for Qwen3-0.6B's 28 layers on an H200's host against 1-5 ms replayed). Above
+# it the device's own time grows until the eager step is bound by it too, and a padded replay can lose: a
+# larger bucket replays only the steps whose eager run would take longer than its replay, both timed at
+# start-up (``least_tokens``), unless max_cudagraph_capture_size sets the sizes.
+ALWAYS_REPLAYED = 1024
+
+
+def bucket_list(limit: int) -> list[int]:
+    """The buckets of steps up to ``limit`` tokens: BUCKETS below it, then ``limit``."""
+    return [b for b in BUCKETS if b < limit] + [limit]
+
+
+def least_tokens(buckets: list[int], eager: dict[int, float], replay: dict[int, float]) -> dict[int, int]:
+    """The buckets worth keeping, each with the fewest tokens of a step it replays, from timings in seconds
+    (``eager`` at the buckets from ALWAYS_REPLAYED up, ``replay`` above it). Every bucket up to
+    ALWAYS_REPLAYED replays whatever it gets; a larger one the steps whose eager time, interpolated between
+    the eager times of the bucket below and its own, exceeds its replay: all of them where its replay beats
+    the eager step of the bucket below, none where it does not beat its own size run eagerly."""
+    kept = {b: 0 for b in buckets if b <= ALWAYS_REPLAYED}
+    for below, bucket in zip(buckets, buckets[1:]):
+        if bucket <= ALWAYS_REPLAYED or below not in eager or bucket not in eager or bucket not in replay:
+            continue
+        low, high, cost = eager[below], eager[bucket], replay[bucket]
+        if cost < low:
+            kept[bucket] = 0
+        elif cost < high:  # eager(T) > cost from T = below + (cost - low) / (high - low) x (bucket - below) on
+            kept[bucket] = below + 1 + int((cost - low) / (high - low) * (bucket - below))
+    return kept
 
 
 def why_not_mixed(runner) -> str | None:
@@ -58,10 +89,12 @@ def why_not_mixed(runner) -> str | None:
 
 
 class MixedGraphs:
-    def __init__(self, runner, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int):
+    def __init__(self, runner, max_num_seqs: int, max_model_len: int, step_tokens: int):
         self.runner = runner
-        cap = max(1, min(max_num_batched_tokens, BUCKETS[-1]))
-        self.buckets = [b for b in BUCKETS if b <= cap] or [cap]
+        explicit = runner.config.max_cudagraph_capture_size
+        self.buckets = bucket_list(max(1, min(step_tokens, explicit or step_tokens)))
+        self.timed = explicit is None  # buckets above ALWAYS_REPLAYED kept by their timings (least_tokens)
+        self.least = {b: 0 for b in self.buckets}  # bucket -> the fewest tokens of a step it replays
         # (tokens, sequences) of each bucket: a step holds at most as many sequences as tokens
         self.capacity = {b: (b, min(max_num_seqs, b)) for b in self.buckets}
         t, s = self.buckets[-1], min(max_num_seqs, self.buckets[-1])
@@ -102,7 +135,8 @@ class MixedGraphs:
         if out.num_decodes == n:  # (decode-only batches are pagoda.engine.graphs')
             return None
         tokens = sum(it.num_new_tokens for it in out.scheduled)
-        return next((b for b in self.buckets if tokens <= b and n <= self.capacity[b][1]), None)
+        bucket = next((b for b in self.buckets if tokens <= b and n <= self.capacity[b][1]), None)
+        return bucket if bucket is not None and tokens >= self.least[bucket] else None
 
     def can_run(self, out: SchedulerOutput) -> bool:
         """A batch with prefill chunks that fits a bucket and wants nothing a graph cannot give."""
@@ -204,10 +238,34 @@ class MixedGraphs:
         if self.lora is not None:  # no tiles (the capture runs no adapter); the order a permutation
             self.dev_tiles.zero_()
             self.dev64[3 + self.num_groups].copy_(torch.arange(self.max_tokens))
+        eager: dict[int, float] = {}
         for bucket in reversed(self.buckets):  # largest first, so smaller ones reuse its memory
             ctx, ids, positions = self._context(bucket)
-            self.graphs[bucket] = capture_forward(runner, ctx, ids, positions, pool, logits=False)
+            seconds = [] if self.timed and bucket >= ALWAYS_REPLAYED else None
+            self.graphs[bucket] = capture_forward(runner, ctx, ids, positions, pool, logits=False,
+                                                  eager_seconds=seconds)
             self.contexts[bucket] = ctx
+            if seconds:
+                eager[bucket] = seconds[0]
             pool = pool if pool is not None else runner.platform.graph_pool()
+        if self.timed and self.buckets[-1] > ALWAYS_REPLAYED:
+            self._keep_faster(eager)
         logger.info("captured %d graphs of steps that mix prefill chunks in (up to %d tokens)", len(self.graphs),
                     self.buckets[-1])
+
+    def _keep_faster(self, eager: dict[int, float]) -> None:
+        """Keep the buckets above ALWAYS_REPLAYED for the steps whose replay beats their eager run
+        (``least_tokens``; timed on the captures' dummy batches: every sequence empty, so both timings leave
+        attention's reads out)."""
+        platform = self.runner.platform
+        with torch.inference_mode():
+            replay = {b: min(timed(platform, self.graphs[b].replay) for _ in range(3))
+                      for b in self.buckets if b > ALWAYS_REPLAYED}
+        self.least = least_tokens(self.buckets, eager, replay)
+        for bucket in [b for b in self.buckets if b not in self.least]:
+            del self.graphs[bucket], self.contexts[bucket]
+        self.buckets = [b for b in self.buckets if b in self.least]
+        logger.info("steps with prefill chunks over %d tokens: replayed from %s, eager otherwise (timed: eager %s, "
+                    "replayed %s ms)", ALWAYS_REPLAYED,
+                    ", ".join(f"{n} tokens to {b}" for b, n in self.least.items() if b > ALWAYS_REPLAYED) or "none",
+                    {b: round(1e3 * t, 2) for b, t in eager.items()}, {b: round(1e3 * t, 2) for b, t in replay.items()})

@@ -364,8 +364,9 @@ class ModelRunner:
     def remove_lora(self, lora_int_id: int) -> None:
         self.lora.remove(lora_int_id)
 
-    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Capture decode graphs where the platform and every backend allow it."""
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int, step_tokens: int | None = None) -> None:
+        """Capture decode graphs where the platform and every backend allow it, and graphs of steps with
+        prefill chunks (up to ``step_tokens``, the step token budget) where the backend captures those."""
         if self.config.enforce_eager or not self.platform.supports_graphs:
             return
         if not getattr(self.model, "supports_graphs", True):
@@ -379,14 +380,14 @@ class ModelRunner:
 
         self.graphs = DecodeGraphs(self, max_num_seqs, max_model_len)
         self.graphs.capture()
-        from pagoda.engine.mixed_graphs import BUCKETS, MixedGraphs, why_not_mixed
+        from pagoda.engine.mixed_graphs import ALWAYS_REPLAYED, MixedGraphs, why_not_mixed
 
         why = why_not_mixed(self)
         if why is not None:
             logger.info("steps with prefill chunks run eagerly: %s", why)
             return
         self.mixed_graphs = MixedGraphs(self, max_num_seqs, max_model_len,
-                                        self.config.max_num_batched_tokens or BUCKETS[-1])
+                                        step_tokens or self.config.max_num_batched_tokens or ALWAYS_REPLAYED)
         self.mixed_graphs.capture()
 
     def spec_summary(self) -> list[AttentionSpec]:

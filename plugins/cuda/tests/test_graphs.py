@@ -93,6 +93,62 @@ def test_mixed_steps_replayed_with_prefix_hits_and_arrivals(tmp_path, replay_cpu
     assert llm.get_stats()["mixed_steps_replayed"] > stats["mixed_steps_replayed"]  # (prefixes cached now)
 
 
+def test_mixed_buckets_by_size_and_by_their_timings():
+    """Buckets up to ALWAYS_REPLAYED replay every step they get; a larger one the steps whose eager time
+    (interpolated between the bucket below and itself) exceeds its replay; none where its own size runs
+    faster eagerly."""
+    from pagoda.engine.mixed_graphs import ALWAYS_REPLAYED, bucket_list, least_tokens
+
+    assert bucket_list(48) == [48] and bucket_list(1024) == [128, 256, 512, 1024]
+    assert bucket_list(5000) == [128, 256, 512, 1024, 1536, 2048, 3072, 4096, 5000]
+    buckets = bucket_list(8192)
+    # eager steps host-bound at 10 ms up to 2,560 tokens, device-bound above (4 ms per 1,024 tokens); replays
+    # 3 ms per 1,024 tokens of their bucket
+    eager = {b: max(0.010, 0.004 * b / 1024) for b in buckets if b >= ALWAYS_REPLAYED}
+    replay = {b: 0.003 * b / 1024 for b in buckets if b > ALWAYS_REPLAYED}
+    least = least_tokens(buckets, eager, replay)
+    # 1536-3072 beat the eager step of the bucket below: every step; 4096 (12 ms) ties 3072's eager step and
+    # beats eager steps from 3,073 tokens (12 -> 16 ms between 3072 and 4096); 6144 (18 ms) beats eager steps
+    # over 4,608 (16 -> 24 ms); 8192 (24 ms) those over 6,144
+    assert least == {128: 0, 256: 0, 512: 0, 1024: 0, 1536: 0, 2048: 0, 3072: 0, 4096: 3073, 6144: 4609,
+                     8192: 6145}
+    # a replay slower than its own size run eagerly: dropped
+    assert least_tokens([1024, 2048], {1024: 0.010, 2048: 0.012}, {2048: 0.013}) == {1024: 0}
+    assert least_tokens(buckets, {}, replay) == {128: 0, 256: 0, 512: 0, 1024: 0}  # nothing timed
+    assert least_tokens([128, 256], {}, {}) == {128: 0, 256: 0}
+
+
+@pytest.mark.parametrize("cap", [None, 24])
+def test_mixed_steps_over_several_buckets(tmp_path, replay_cpu, monkeypatch, cap):
+    """Steps of several sizes pad to their buckets; max_cudagraph_capture_size caps both kinds of graphs,
+    and without it buckets above ALWAYS_REPLAYED are kept by their start-up timings (which cannot drop
+    the buckets up to it); tokens equal transformers' either way."""
+    from pagoda.engine import mixed_graphs
+
+    monkeypatch.setattr(mixed_graphs, "BUCKETS", (16, 32))
+    monkeypatch.setattr(mixed_graphs, "ALWAYS_REPLAYED", 16)
+    path = make_tiny_checkpoint("qwen3", tmp_path, seed=5, **TINY)
+    prompts = random_prompts(8, 320, 5, 30, seed=3)
+    want = hf_greedy_tokens(path, prompts, 8)
+    lengths = [3 + i % 6 for i in range(len(prompts))]  # requests end at different steps: others join running ones
+    llm = LLM(model=str(path), device="cpu", dtype="float32", attention_backend="triton", num_kv_blocks=64,
+              block_size=8, max_num_seqs=4, max_num_batched_tokens=48, max_model_len=64,
+              max_cudagraph_capture_size=cap)
+    mixed, decode = llm.engine.runner.mixed_graphs, llm.engine.runner.graphs
+    if cap:
+        assert mixed.buckets == [16, 24] and decode.max_bs == 4
+        capped = LLM(model=str(path), device="cpu", dtype="float32", attention_backend="triton", num_kv_blocks=64,
+                     block_size=8, max_num_seqs=4, max_num_batched_tokens=48, max_model_len=64,
+                     max_cudagraph_capture_size=2)
+        assert capped.engine.runner.graphs.max_bs == 2 and capped.engine.runner.mixed_graphs.buckets == [2]
+    else:
+        assert mixed.buckets[0] == 16 and set(mixed.graphs) == set(mixed.buckets) == set(mixed.least)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == [w[:n] for w, n in zip(want, lengths)]
+    assert llm.get_stats()["mixed_steps_replayed"] > 0
+
+
 def test_steps_ahead_with_early_stops(tmp_path, replay_cpu):
     """Steps launched ahead of the host (the step pipeline, graph-replayed decodes fed from the
     previous launch's tokens): an EOS stop and per-request length limits end sequences in the
@@ -105,7 +161,7 @@ def test_steps_ahead_with_early_stops(tmp_path, replay_cpu):
     limits = [14, 14, 9, 3, 12]
     want = cut_at_stops(full, eos, limits)
     llm = LLM(model=str(path), device="cpu", dtype="float32", attention_backend="triton", num_kv_blocks=40,
-              block_size=4, max_num_seqs=8, max_model_len=64)
+              block_size=4, max_num_seqs=8, max_model_len=64, max_num_batched_tokens=128)
     llm.engine.enable_step_pipeline()
     outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=m) for m in limits])
     assert [o.outputs[0].token_ids for o in outs] == want

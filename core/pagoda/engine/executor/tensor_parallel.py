@@ -266,8 +266,8 @@ class TensorParallelExecutor:
         self.call("allocate_kv_cache", num_blocks)
         return num_blocks
 
-    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        self.call("capture_graphs", max_num_seqs, max_model_len)
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int, step_tokens: int | None = None) -> None:
+        self.call("capture_graphs", max_num_seqs, max_model_len, step_tokens)
 
     def forget(self, seq_id: int) -> None:
         self.driver.forget(seq_id)
