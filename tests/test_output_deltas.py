@@ -62,3 +62,25 @@ def test_a_completion_whose_tokens_changed_is_sent_whole():
     changed.outputs[0].token_ids[3] = 9  # (never happens in the engine: the check makes it safe)
     assert _through(sender, receiver, [changed]) == [changed]
 
+
+
+def test_streamed_outputs_share_one_list_and_stay_snapshots():
+    """The front extends one list per completion instead of copying it every step (O(new) per step): each
+    streamed output still reads as it was when it arrived, compares and pickles as a list, and the final
+    output has lists of its own."""
+    from pagoda.distributed.output_deltas import ListPrefix
+
+    sender, receiver = OutputSender(), OutputReceiver()
+    seen = [_through(sender, receiver, [_output("a", step, n=1)])[0] for step in range(6)]
+    ids = [o.outputs[0].token_ids for o in seen]
+    assert all(isinstance(t, ListPrefix) for t in ids[1:])
+    assert ids[2].items is ids[5].items  # one list, extended in place
+    assert seen[3].outputs[0].logprobs.items is seen[5].outputs[0].logprobs.items
+    for step, (out, t) in enumerate(zip(seen, ids)):
+        assert out == _output("a", step, n=1)  # earlier snapshots unchanged by the later deltas
+        assert t == [1000 + k for k in range(step + 1)] and len(t) == step + 1 and t[-1] == 1000 + step
+        assert t[1:3] == [1001, 1002][:len(t) - 1] and t[::-1] == list(reversed(list(t)))
+        assert pickle.loads(pickle.dumps(t)) == list(t) and type(pickle.loads(pickle.dumps(t))) is list
+    final = _through(sender, receiver, [_output("a", 6, n=1, finished=True)])[0]
+    assert type(final.outputs[0].token_ids) is list and type(final.outputs[0].logprobs) is list
+    assert final == _output("a", 6, n=1, finished=True) and seen[5] == _output("a", 5, n=1)

@@ -6,13 +6,18 @@ streaming to the server (``pagoda.distributed.dp_replica``), long prompts and lo
 engine's own host work. The replica's ``OutputSender`` sends a request's first output whole, then per
 completion the tokens, text and logprobs added since (and where the text was cut back, e.g. at a stop
 string: how much of what was sent stays). The front's ``OutputReceiver`` rebuilds the cumulative outputs,
-new objects each time (a reader may still hold the previous one). Both forget a request once its final
-output passed, or when it is aborted.
+new objects each time (a reader may still hold the previous one), without copying what came before: a
+streamed output's token ids and logprobs are ``ListPrefix`` snapshots of one list per completion that each
+delta extends (rebuilding them as new lists cost the front O(length) per stream and step: 4.5 ms a step for
+64 streams of 8,000 tokens on the development machine); a final output gets plain lists. Both forget a
+request once its final output passed, or when it is aborted.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -128,7 +133,7 @@ class OutputReceiver:
                 return None
             before = {c.index: c for c in last.outputs}
             out = RequestOutput(rid, last.prompt, last.prompt_token_ids,
-                                [_apply(d, before.get(d[0])) for d in completions], finished,
+                                [_apply(d, before.get(d[0]), finished) for d in completions], finished,
                                 metrics=None if metrics is None else RequestMetrics(*metrics),
                                 num_cached_tokens=cached, extra=extra or {}, error=error,
                                 prompt_logprobs=last.prompt_logprobs if prompt_logprobs is None else prompt_logprobs)
@@ -143,12 +148,69 @@ class OutputReceiver:
         return out
 
 
-def _apply(d: tuple, before: CompletionOutput | None) -> CompletionOutput:
+def _apply(d: tuple, before: CompletionOutput | None, final: bool) -> CompletionOutput:
     index, token_start, token_ids, text_keep, text, logprobs_start, new_logprobs, cumulative, finish, stop = d
-    ids = before.token_ids[:token_start] if before is not None else []
+    ids = _grown(before.token_ids if before is not None else None, token_start, token_ids, final)
     kept = before.text[:text_keep] if before is not None else ""
     logprobs = None
     if new_logprobs is not None:
-        logprobs = (before.logprobs or [])[:logprobs_start] if before is not None else []
-        logprobs = logprobs + new_logprobs
-    return CompletionOutput(index, kept + text, ids + token_ids, cumulative, logprobs, finish, stop)
+        logprobs = _grown(before.logprobs if before is not None else None, logprobs_start, new_logprobs, final)
+    return CompletionOutput(index, kept + text, ids, cumulative, logprobs, finish, stop)
+
+
+def _grown(before, keep: int, new: list, final: bool):
+    """``before[:keep] + new``: extending the list behind ``before`` in place when ``before`` is all of it
+    (its readers keep seeing their own prefix), else a new list; a ``ListPrefix`` of it, or (``final``) a
+    list of its own."""
+    if isinstance(before, ListPrefix) and keep == len(before) == len(before.items):
+        items = before.items
+    else:
+        items = list(before[:keep]) if before is not None else []
+    items.extend(new)
+    return list(items) if final else ListPrefix(items, len(items))
+
+
+class ListPrefix(Sequence):
+    """The first ``n`` items of a list that is only ever appended to: a read-only snapshot that costs no copy
+    (a streamed output's token ids or logprobs at the front). Indexes, slices and iterates as a list does,
+    compares equal to a list of the same items, and pickles as a list."""
+
+    __slots__ = ("items", "n")
+
+    def __init__(self, items: list, n: int):
+        self.items, self.n = items, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            start, stop, step = i.indices(self.n)
+            return self.items[start:stop] if step == 1 else [self.items[k] for k in range(start, stop, step)]
+        if i < 0:
+            i += self.n
+        if not 0 <= i < self.n:
+            raise IndexError("list index out of range")
+        return self.items[i]
+
+    def __iter__(self):
+        return itertools.islice(self.items, self.n)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (list, tuple, ListPrefix)):
+            return len(other) == self.n and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None
+
+    def __add__(self, other) -> list:
+        return list(self) + list(other)
+
+    def __radd__(self, other) -> list:
+        return list(other) + list(self)
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+    def __reduce__(self):
+        return list, (list(self),)

@@ -413,7 +413,7 @@ class LLMEngine:
         completions = []
         for seq in request.seqs:
             completions.append(CompletionOutput(
-                index=seq.index, text=seq.text, token_ids=list(seq.output_token_ids),
+                index=seq.index, text=seq.text, token_ids=seq.output_token_ids,  # (a new list)
                 cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
                 logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
                 finish_reason=seq.finish_reason(), stop_reason=seq.stop_reason))
