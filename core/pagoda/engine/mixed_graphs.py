@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from pagoda.engine.graphs import capture_forward, timed
+from pagoda.errors import ConfigError
 from pagoda.engine.inputs import step_arrays
 from pagoda.engine.scheduler import SchedulerOutput
 from pagoda.forward_context import AttentionMetadata, ForwardContext, prepared_context
@@ -242,12 +243,25 @@ class MixedGraphs:
         for bucket in reversed(self.buckets):  # largest first, so smaller ones reuse its memory
             ctx, ids, positions = self._context(bucket)
             seconds = [] if self.timed and bucket >= ALWAYS_REPLAYED else None
-            self.graphs[bucket] = capture_forward(runner, ctx, ids, positions, pool, logits=False,
-                                                  eager_seconds=seconds)
+            try:
+                self.graphs[bucket] = capture_forward(runner, ctx, ids, positions, pool, logits=False,
+                                                      eager_seconds=seconds)
+            except torch.OutOfMemoryError as exc:
+                if not self.timed:
+                    raise ConfigError(f"capturing the graph of {bucket}-token steps ran out of device memory: lower "
+                                      f"max_cudagraph_capture_size or memory_utilization ({exc})") from exc
+                if bucket <= ALWAYS_REPLAYED:
+                    raise
+                # a bucket of the default sizes above ALWAYS_REPLAYED is an optimisation: go without it
+                logger.warning("steps with prefill chunks of up to %d tokens are not captured: out of device "
+                               "memory outside memory_utilization (%s)", bucket, exc)
+                continue
             self.contexts[bucket] = ctx
             if seconds:
                 eager[bucket] = seconds[0]
             pool = pool if pool is not None else runner.platform.graph_pool()
+        self.buckets = [b for b in self.buckets if b in self.graphs]
+        self.least = {b: 0 for b in self.buckets}
         if self.timed and self.buckets[-1] > ALWAYS_REPLAYED:
             self._keep_faster(eager)
         logger.info("captured %d graphs of steps that mix prefill chunks in (up to %d tokens)", len(self.graphs),

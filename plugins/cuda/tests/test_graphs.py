@@ -4,6 +4,7 @@ tables updated incrementally) with the triton backend, on CPU: a stand-in platfo
 transformers', through chunked prefill, preemption and batches that shrink and grow."""
 
 import pytest
+import torch
 from pagoda import LLM, SamplingParams
 from pagoda.interfaces import CapturedGraph
 from pagoda.platforms.cpu import CpuPlatform
@@ -147,6 +148,43 @@ def test_mixed_steps_over_several_buckets(tmp_path, replay_cpu, monkeypatch, cap
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == [w[:n] for w, n in zip(want, lengths)]
     assert llm.get_stats()["mixed_steps_replayed"] > 0
+
+
+class OutOfMemoryAbove(ReplayPlatform):
+    """Captures of more than ``limit`` rows run out of device memory."""
+
+    limit = 32
+
+    def capture_graph(self, fn, pool=None):
+        graph = Replay(fn)
+        if graph.output.shape[0] > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+        return graph
+
+
+def test_a_larger_bucket_out_of_memory_is_left_out(tmp_path, replay_cpu, monkeypatch):
+    """A default bucket above ALWAYS_REPLAYED whose capture runs out of memory is left out (its steps run
+    eagerly) and the engine starts; with max_cudagraph_capture_size the user asked for it: an error naming
+    the key."""
+    from pagoda.engine import mixed_graphs
+    from pagoda.errors import ConfigError
+
+    monkeypatch.setattr(mixed_graphs, "BUCKETS", (16, 32))
+    monkeypatch.setattr(mixed_graphs, "ALWAYS_REPLAYED", 16)
+    entry = get_registry().platforms.entries["cpu"]
+    monkeypatch.setattr(entry, "obj", OutOfMemoryAbove())
+    path = make_tiny_checkpoint("qwen3", tmp_path, seed=6, **TINY)
+    prompts = random_prompts(5, 320, 20, 40, seed=4)
+    want = hf_greedy_tokens(path, prompts, 4)
+    config = dict(model=str(path), device="cpu", dtype="float32", attention_backend="triton", num_kv_blocks=64,
+                  block_size=8, max_num_seqs=4, max_num_batched_tokens=48, max_model_len=64)
+    llm = LLM(**config)
+    mixed = llm.engine.runner.mixed_graphs
+    assert 48 not in mixed.graphs and mixed.buckets[0] == 16 and set(mixed.least) == set(mixed.buckets)
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == want
+    with pytest.raises(ConfigError, match="max_cudagraph_capture_size"):
+        LLM(**config, max_cudagraph_capture_size=48)
 
 
 def test_steps_ahead_with_early_stops(tmp_path, replay_cpu):
