@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 from pagoda.engine.graphs import capture_forward, timed
-from pagoda.errors import ConfigError
 from pagoda.engine.inputs import step_arrays
 from pagoda.engine.scheduler import SchedulerOutput
+from pagoda.errors import ConfigError
 from pagoda.forward_context import AttentionMetadata, ForwardContext, prepared_context
 from pagoda.lora.ops import max_tiles, token_tiles
 
