@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -14,14 +15,17 @@ class Logprob:
 
 @dataclass
 class CompletionOutput:
-    """One of a request's ``n`` completions; text and token_ids are cumulative."""
+    """One of a request's ``n`` completions; text and token_ids are cumulative. A final output holds lists;
+    a streamed one from an engine in another process (``pagoda serve``'s default, ``data_parallel_size`` > 1)
+    may hold read-only sequences that index, slice, iterate and compare as lists do
+    (``pagoda.distributed.output_deltas.ListPrefix``: no copy per step); ``list(...)`` gives a list."""
 
     index: int
     text: str
-    token_ids: list[int]
+    token_ids: Sequence[int]
     cumulative_logprob: float | None = None
     # per generated token: {token_id: Logprob} holding the sampled token and the top-k
-    logprobs: list[dict[int, Logprob]] | None = None
+    logprobs: Sequence[dict[int, Logprob]] | None = None
     finish_reason: str | None = None  # "stop", "length", "abort", "error" (see RequestOutput.error)
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
