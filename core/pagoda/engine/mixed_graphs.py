@@ -279,7 +279,8 @@ class MixedGraphs:
         for bucket in [b for b in self.buckets if b not in self.least]:
             del self.graphs[bucket], self.contexts[bucket]
         self.buckets = [b for b in self.buckets if b in self.least]
-        logger.info("steps with prefill chunks over %d tokens: replayed from %s, eager otherwise (timed: eager %s, "
-                    "replayed %s ms)", ALWAYS_REPLAYED,
-                    ", ".join(f"{n} tokens to {b}" for b, n in self.least.items() if b > ALWAYS_REPLAYED) or "none",
+        logger.info("steps with prefill chunks over %d tokens replay the buckets %s, other steps run eagerly "
+                    "(timed: eager %s, replayed %s ms)", ALWAYS_REPLAYED,
+                    ", ".join(f"{b} ({f'from {n} tokens' if n else 'every step'})" for b, n in self.least.items()
+                              if b > ALWAYS_REPLAYED) or "none",
                     {b: round(1e3 * t, 2) for b, t in eager.items()}, {b: round(1e3 * t, 2) for b, t in replay.items()})
