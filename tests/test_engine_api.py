@@ -92,3 +92,33 @@ def test_truncate_prompt_tokens_offline():
     with pytest.raises(RequestError) as info:
         SamplingParams(truncate_prompt_tokens=0)
     assert info.value.field == "truncate_prompt_tokens"
+
+
+def test_streamed_outputs_are_snapshots_without_copies(tmp_path):
+    """An unfinished output's token ids and logprobs are windows of the sequence's own lists (no copy of the
+    whole stream per step): each still reads as it did when it was made after later steps, compares and
+    pickles as a list; the finished output holds lists of its own."""
+    import pickle
+
+    from pagoda import SamplingParams
+    from pagoda.outputs import ListView
+
+    path = make_tiny_checkpoint("llama", tmp_path / "m", seed=2, **TINY)
+    llm = LLM(model=str(path), device="cpu", dtype="float32", num_kv_blocks=32, block_size=8, max_model_len=128)
+    engine = llm.engine
+    engine.add_request("r", random_prompts(1, 320, 10, 10, seed=3)[0],
+                       SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1))
+    seen = []  # (output, its tokens and logprobs copied when it came)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            c = out.outputs[0]
+            seen.append((out, list(c.token_ids), list(c.logprobs)))
+    assert len(seen) == 8 and [len(t) for _, t, _ in seen] == list(range(1, 9))
+    for out, tokens, logprobs in seen[:-1]:
+        c = out.outputs[0]
+        assert isinstance(c.token_ids, ListView) and isinstance(c.logprobs, ListView)
+        assert c.token_ids == tokens and c.logprobs == logprobs and c.token_ids[-1] == tokens[-1]
+        assert pickle.loads(pickle.dumps(c.token_ids)) == tokens
+    final = seen[-1][0].outputs[0]
+    assert type(final.token_ids) is list and type(final.logprobs) is list
+    assert final.token_ids[:7] == seen[-2][1]

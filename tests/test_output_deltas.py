@@ -68,12 +68,12 @@ def test_streamed_outputs_share_one_list_and_stay_snapshots():
     """The front extends one list per completion instead of copying it every step (O(new) per step): each
     streamed output still reads as it was when it arrived, compares and pickles as a list, and the final
     output has lists of its own."""
-    from pagoda.distributed.output_deltas import ListPrefix
+    from pagoda.outputs import ListView
 
     sender, receiver = OutputSender(), OutputReceiver()
     seen = [_through(sender, receiver, [_output("a", step, n=1)])[0] for step in range(6)]
     ids = [o.outputs[0].token_ids for o in seen]
-    assert all(isinstance(t, ListPrefix) for t in ids[1:])
+    assert all(isinstance(t, ListView) for t in ids[1:])
     assert ids[2].items is ids[5].items  # one list, extended in place
     assert seen[3].outputs[0].logprobs.items is seen[5].outputs[0].logprobs.items
     for step, (out, t) in enumerate(zip(seen, ids)):

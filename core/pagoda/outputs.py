@@ -2,8 +2,59 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+
+class ListView(Sequence):
+    """``items[start:stop]`` of a list that is only ever appended to past ``stop``, without a copy: what an
+    unfinished output holds (the sequence's tokens and logprobs in the engine; at the front of an engine in
+    another process, one list per completion that each step's delta extends). Indexes, slices and iterates as
+    a list does, compares equal to a list of the same items, and pickles as a list."""
+
+    __slots__ = ("items", "start", "stop")
+
+    def __init__(self, items: list, start: int, stop: int):
+        self.items, self.start, self.stop = items, start, stop
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, i):
+        n = self.stop - self.start
+        if isinstance(i, slice):
+            first, last, step = i.indices(n)
+            if step == 1:
+                return self.items[self.start + first:self.start + max(first, last)]
+            return [self.items[self.start + k] for k in range(first, last, step)]
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("list index out of range")
+        return self.items[self.start + i]
+
+    def __iter__(self):
+        return itertools.islice(self.items, self.start, self.stop)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (list, tuple, ListView)):
+            return len(other) == len(self) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None
+
+    def __add__(self, other) -> list:
+        return list(self) + list(other)
+
+    def __radd__(self, other) -> list:
+        return list(other) + list(self)
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+    def __reduce__(self):
+        return list, (list(self),)
 
 
 @dataclass
@@ -15,10 +66,10 @@ class Logprob:
 
 @dataclass
 class CompletionOutput:
-    """One of a request's ``n`` completions; text and token_ids are cumulative. A final output holds lists;
-    a streamed one from an engine in another process (``pagoda serve``'s default, ``data_parallel_size`` > 1)
-    may hold read-only sequences that index, slice, iterate and compare as lists do
-    (``pagoda.distributed.output_deltas.ListPrefix``: no copy per step); ``list(...)`` gives a list."""
+    """One of a request's ``n`` completions; text and token_ids are cumulative. A finished output holds lists;
+    an unfinished one (streamed: ``LLMEngine.step()``, the server) holds ``ListView``s, read-only windows of
+    the engine's own lists that index, slice, iterate, compare and pickle as lists do, so that a stream
+    costs no copy of all its tokens per step; ``list(...)`` gives a list."""
 
     index: int
     text: str

@@ -7,7 +7,7 @@ engine's own host work. The replica's ``OutputSender`` sends a request's first o
 completion the tokens, text and logprobs added since (and where the text was cut back, e.g. at a stop
 string: how much of what was sent stays). The front's ``OutputReceiver`` rebuilds the cumulative outputs,
 new objects each time (a reader may still hold the previous one), without copying what came before: a
-streamed output's token ids and logprobs are ``ListPrefix`` snapshots of one list per completion that each
+streamed output's token ids and logprobs are ``ListView`` snapshots of one list per completion that each
 delta extends (rebuilding them as new lists cost the front O(length) per stream and step: 4.5 ms a step for
 64 streams of 8,000 tokens on the development machine); a final output gets plain lists. Both forget a
 request once its final output passed, or when it is aborted.
@@ -15,16 +15,14 @@ request once its final output passed, or when it is aborted.
 
 from __future__ import annotations
 
-import itertools
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from pagoda.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagoda.outputs import CompletionOutput, ListView, RequestMetrics, RequestOutput
 from pagoda.pooling.outputs import PoolingOutput, PoolingRequestOutput
 
 # The wire format is plain tuples: pickling 64 dataclass deltas took 9x as long as the same data in tuples
@@ -160,57 +158,11 @@ def _apply(d: tuple, before: CompletionOutput | None, final: bool) -> Completion
 
 def _grown(before, keep: int, new: list, final: bool):
     """``before[:keep] + new``: extending the list behind ``before`` in place when ``before`` is all of it
-    (its readers keep seeing their own prefix), else a new list; a ``ListPrefix`` of it, or (``final``) a
+    (its readers keep seeing their own window), else a new list; a ``ListView`` of it, or (``final``) a
     list of its own."""
-    if isinstance(before, ListPrefix) and keep == len(before) == len(before.items):
+    if isinstance(before, ListView) and before.start == 0 and keep == len(before) == len(before.items):
         items = before.items
     else:
         items = list(before[:keep]) if before is not None else []
     items.extend(new)
-    return list(items) if final else ListPrefix(items, len(items))
-
-
-class ListPrefix(Sequence):
-    """The first ``n`` items of a list that is only ever appended to: a read-only snapshot that costs no copy
-    (a streamed output's token ids or logprobs at the front). Indexes, slices and iterates as a list does,
-    compares equal to a list of the same items, and pickles as a list."""
-
-    __slots__ = ("items", "n")
-
-    def __init__(self, items: list, n: int):
-        self.items, self.n = items, n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            start, stop, step = i.indices(self.n)
-            return self.items[start:stop] if step == 1 else [self.items[k] for k in range(start, stop, step)]
-        if i < 0:
-            i += self.n
-        if not 0 <= i < self.n:
-            raise IndexError("list index out of range")
-        return self.items[i]
-
-    def __iter__(self):
-        return itertools.islice(self.items, self.n)
-
-    def __eq__(self, other) -> bool:
-        if isinstance(other, (list, tuple, ListPrefix)):
-            return len(other) == self.n and all(a == b for a, b in zip(self, other))
-        return NotImplemented
-
-    __hash__ = None
-
-    def __add__(self, other) -> list:
-        return list(self) + list(other)
-
-    def __radd__(self, other) -> list:
-        return list(other) + list(self)
-
-    def __repr__(self) -> str:
-        return repr(list(self))
-
-    def __reduce__(self):
-        return list, (list(self),)
+    return list(items) if final else ListView(items, 0, len(items))

@@ -26,7 +26,7 @@ from pagoda.layers.rotary import rope_parameters_of, uses_sequence_length
 from pagoda.loader.model_loader import load_config
 from pagoda.loader.source import resolve_source
 from pagoda.multimodal.prompts import prompt_with_images
-from pagoda.outputs import CompletionOutput, RequestOutput
+from pagoda.outputs import CompletionOutput, ListView, RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.selection import select_platform
 from pagoda.speculative.decoder import create_speculative_decoder
@@ -410,13 +410,21 @@ class LLMEngine:
         return outputs
 
     def make_output(self, request: Request, finished: bool) -> RequestOutput:
+        """The request's cumulative output. Unfinished (streamed every step), its token ids and logprobs are
+        ``ListView``s of the sequences' own lists, which only grow past them: a copy of every token per step
+        cost a stream O(its length) each step."""
         completions = []
         for seq in request.seqs:
+            logprobs = seq.logprobs
+            if finished:
+                token_ids, logprobs = seq.output_token_ids, list(logprobs) if logprobs is not None else None
+            else:
+                token_ids = ListView(seq.token_ids, seq.num_prompt_tokens, seq.num_tokens)
+                logprobs = ListView(logprobs, 0, len(logprobs)) if logprobs is not None else None
             completions.append(CompletionOutput(
-                index=seq.index, text=seq.text, token_ids=seq.output_token_ids,  # (a new list)
+                index=seq.index, text=seq.text, token_ids=token_ids,
                 cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-                finish_reason=seq.finish_reason(), stop_reason=seq.stop_reason))
+                logprobs=logprobs, finish_reason=seq.finish_reason(), stop_reason=seq.stop_reason))
         prompt_logprobs = None if request.prompt_logprobs is None else list(request.prompt_logprobs)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
                              finished, request.metrics, request.metrics.num_cached_tokens, error=request.error,
