@@ -93,14 +93,16 @@ def test_images_to_a_text_only_model_are_refused_as_by_the_in_process_engine(cli
     assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2).usage.completion_tokens >= 1
 
 
-def test_the_queue_limit_counts_the_requests_the_replica_has_no_seat_for(model):
+def test_the_queue_limit_counts_the_requests_the_replica_has_no_seat_for(tmp_path):
     import asyncio
 
     import httpx
 
-    app = build_app(EngineConfig(model=str(model), **{**ENGINE, "max_num_seqs": 2}),
+    # streams long enough (seconds) that none ends before the fifth request comes, on a loaded machine too
+    model = make_tiny_checkpoint("llama", tmp_path, seed=3, tokenizer=True, **{**TINY, "max_position_embeddings": 2048})
+    app = build_app(EngineConfig(model=str(model), **{**ENGINE, "max_num_seqs": 2, "num_kv_blocks": 520}),
                     ServerConfig(served_model_name="tiny", max_queued_requests=2))
-    long = {"prompt": "q", "temperature": 0, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    long = {"prompt": "q", "temperature": 0, "max_tokens": 2000, "ignore_eos": True, "stream": True}
 
     async def run(url):
         async with httpx.AsyncClient(base_url=url, timeout=60) as c:
