@@ -54,7 +54,7 @@ for path in sorted(Path(sys.argv[1]).glob("bench-*.json")):
     try:
         r = json.loads(path.read_text())
     except ValueError:
-        print(f"| {path.stem} | failed | |"); continue
+        print(f"| {path.stem[6:]} | failed | | |"); continue
     runs = [round(x["output_tok_s"]) for x in r["runs"]]
     print(f"| {path.stem[6:]} | {round(r['best']['output_tok_s'])} | {runs} | {r['setup_seconds']:.1f} |")
 PYEOF

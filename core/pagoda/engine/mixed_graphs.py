@@ -95,7 +95,7 @@ class MixedGraphs:
         explicit = runner.config.max_cudagraph_capture_size
         self.buckets = bucket_list(max(1, min(step_tokens, explicit or step_tokens)))
         self.timed = explicit is None  # buckets above ALWAYS_REPLAYED kept by their timings (least_tokens)
-        self.least = {b: 0 for b in self.buckets}  # bucket -> the fewest tokens of a step it replays
+        self.least: dict[int, int] = {}  # captured bucket -> the fewest tokens of a step it replays (``capture``)
         # (tokens, sequences) of each bucket: a step holds at most as many sequences as tokens
         self.capacity = {b: (b, min(max_num_seqs, b)) for b in self.buckets}
         t, s = self.buckets[-1], min(max_num_seqs, self.buckets[-1])
@@ -260,27 +260,27 @@ class MixedGraphs:
             if seconds:
                 eager[bucket] = seconds[0]
             pool = pool if pool is not None else runner.platform.graph_pool()
-        self.buckets = [b for b in self.buckets if b in self.graphs]
-        self.least = {b: 0 for b in self.buckets}
-        if self.timed and self.buckets[-1] > ALWAYS_REPLAYED:
-            self._keep_faster(eager)
+        captured = [b for b in self.buckets if b in self.graphs]
+        self.least = {b: 0 for b in captured}
+        if self.timed and captured[-1] > ALWAYS_REPLAYED:
+            self.least = self._timed_least(captured, eager)
+        for bucket in set(captured) - set(self.least):
+            del self.graphs[bucket], self.contexts[bucket]
+        self.buckets = list(self.least)
         logger.info("captured %d graphs of steps that mix prefill chunks in (up to %d tokens)", len(self.graphs),
                     self.buckets[-1])
 
-    def _keep_faster(self, eager: dict[int, float]) -> None:
-        """Keep the buckets above ALWAYS_REPLAYED for the steps whose replay beats their eager run
-        (``least_tokens``; timed on the captures' dummy batches: every sequence empty, so both timings leave
-        attention's reads out)."""
+    def _timed_least(self, buckets: list[int], eager: dict[int, float]) -> dict[int, int]:
+        """``least_tokens`` of ``buckets`` from the eager timings and their replays' (timed on the captures'
+        dummy batches: every sequence empty, so both timings leave attention's reads out)."""
         platform = self.runner.platform
         with torch.inference_mode():
             replay = {b: min(timed(platform, self.graphs[b].replay) for _ in range(3))
-                      for b in self.buckets if b > ALWAYS_REPLAYED}
-        self.least = least_tokens(self.buckets, eager, replay)
-        for bucket in [b for b in self.buckets if b not in self.least]:
-            del self.graphs[bucket], self.contexts[bucket]
-        self.buckets = [b for b in self.buckets if b in self.least]
+                      for b in buckets if b > ALWAYS_REPLAYED}
+        least = least_tokens(buckets, eager, replay)
         logger.info("steps with prefill chunks over %d tokens replay the buckets %s, other steps run eagerly "
                     "(timed: eager %s, replayed %s ms)", ALWAYS_REPLAYED,
-                    ", ".join(f"{b} ({f'from {n} tokens' if n else 'every step'})" for b, n in self.least.items()
+                    ", ".join(f"{b} ({f'from {n} tokens' if n else 'every step'})" for b, n in least.items()
                               if b > ALWAYS_REPLAYED) or "none",
                     {b: round(1e3 * t, 2) for b, t in eager.items()}, {b: round(1e3 * t, 2) for b, t in replay.items()})
+        return least
