@@ -47,6 +47,7 @@ def _decoding_only(engine) -> bool:
 def _kernel_table(prof, steps: int, on_gpu: bool) -> dict:
     per_category: dict[str, float] = defaultdict(float)
     kernels: dict[str, float] = {}
+    calls: dict[str, float] = {}
     for evt in prof.key_averages():
         if on_gpu:
             seconds = getattr(evt, "self_device_time_total", getattr(evt, "self_cuda_time_total", 0)) / 1e6
@@ -58,10 +59,12 @@ def _kernel_table(prof, steps: int, on_gpu: bool) -> dict:
                 continue
         per_step = seconds / steps
         kernels[evt.key] = kernels.get(evt.key, 0.0) + per_step
+        calls[evt.key] = calls.get(evt.key, 0.0) + evt.count / steps
         per_category[categorize(evt.key)] += per_step
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
     return {"per_category_seconds": dict(sorted(per_category.items(), key=lambda kv: -kv[1])),
-            "busy_seconds": sum(per_category.values()), "top_kernels_seconds": dict(top)}
+            "busy_seconds": sum(per_category.values()), "top_kernels_seconds": dict(top),
+            "launches_per_step": sum(calls.values()), "top_kernels_calls": {k: calls[k] for k, _ in top}}
 
 
 def _timed_steps(engine, steps: int, on_gpu: bool, pipelined: bool = True) -> list[dict]:
@@ -218,7 +221,8 @@ def format_profile(profile: dict) -> list[str]:
         lines.append(f"  step wall {step['wall'] * 1e3:.3f} ms = schedule {step['schedule'] * 1e3:.3f} + model+sample "
                      f"{step['decode'] * 1e3:.3f} + postprocess {step['postprocess'] * 1e3:.3f} ms")
     kernels = profile["kernels_per_step"]
-    lines.append(f"  kernels ({profile['kernels_source']}): busy {kernels['busy_seconds'] * 1e3:.3f} ms per step")
+    lines.append(f"  kernels ({profile['kernels_source']}): busy {kernels['busy_seconds'] * 1e3:.3f} ms per step, "
+                 f"{kernels.get('launches_per_step', 0):.0f} kernels")
     for category, seconds in kernels["per_category_seconds"].items():
         lines.append(f"    {category:<11} {seconds * 1e3:8.3f} ms")
     if profile.get("model_gap_seconds") is not None:

@@ -9,6 +9,12 @@ from __future__ import annotations
 import torch
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N]: an unquantized layer's product (torch's, which a
+    platform may replace where its own kernel is faster, e.g. pagoda-cuda's for a few rows)."""
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, H], weight [H] -> [T, H]; variance in float32, as HF transformers does."""
     dtype = x.dtype
@@ -221,6 +227,7 @@ def store_mla_cache(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tens
 
 
 OPS = {
+    "linear": linear,
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
     "rms_norm_offset": rms_norm_offset,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagoda import kernels
 from pagoda.distributed import (
     get_tp_rank,
     get_tp_size,
@@ -34,7 +35,7 @@ def set_weight_attrs(param: nn.Parameter, **attrs) -> None:
 
 
 class UnquantizedLinearMethod(QuantMethod):
-    """Plain ``x @ W.T + b`` in the model dtype."""
+    """Plain ``x @ W.T + b`` in the model dtype (the platform's ``linear`` kernel op)."""
 
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
         weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=params_dtype),
@@ -43,7 +44,7 @@ class UnquantizedLinearMethod(QuantMethod):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer, x, bias):
-        return nn.functional.linear(x, layer.weight, bias)
+        return kernels.get_op("linear")(x, layer.weight, bias)
 
 
 def _divide(total: int, parts: int, what: str) -> int:

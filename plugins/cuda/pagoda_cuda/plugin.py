@@ -11,6 +11,7 @@ from pagoda import hookimpl
 
 # op name -> implementation, for the "cuda" platform (signatures: pagoda.kernels.reference)
 KERNELS = {
+    "linear": "pagoda_cuda.ops.linear:linear",
     "rms_norm": "pagoda_cuda.ops.norm:rms_norm",
     "fused_add_rms_norm": "pagoda_cuda.ops.norm:fused_add_rms_norm",
     "rms_norm_offset": "pagoda_cuda.ops.norm:rms_norm_offset",

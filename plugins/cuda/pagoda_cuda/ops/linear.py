@@ -1,0 +1,107 @@
+"""``linear`` for a few rows (decode at small batch): y [M, N] = x [M, K] @ W [N, K].T (+ bias).
+
+At M <= SKINNY_ROWS cuBLAS reads a decoder's weights at a fraction of the memory rate on an H200
+(1.2-1.6 TB/s at Qwen3-0.6B's shapes, batch 1; docs/benchmarks.md): its small-M kernels use few
+programs or split K over a second reduction launch. Here each program owns BLOCK_N output columns
+for every row and walks the whole K, BLOCK_K at a time, with the loads of later steps in flight
+(num_stages), so one launch streams the weight once at close to the memory rate. The rows are padded
+to 16 for the tensor cores (the products are free: the weight's bytes are the cost). float32
+accumulation; the result rounds to the input dtype as torch's. Larger M goes to torch (cuBLAS).
+
+Off until it is measured in the engine on a GPU: ``PAGODA_CUDA_SKINNY_ROWS=N`` (read at import) runs the kernel
+for products of at most N rows (at most 16); unset or 0, the ``linear`` op is torch's at every size.
+``scripts/skinny_linear_probe.py`` times it against cuBLAS at decode shapes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from pagoda_cuda._triton import interpreting, sm_count
+
+MAX_ROWS = 16  # the kernel pads its rows to 16 (one tensor-core tile)
+
+
+def _skinny_rows() -> int:
+    raw = os.environ.get("PAGODA_CUDA_SKINNY_ROWS", "0").strip() or "0"
+    try:
+        rows = int(raw)
+    except ValueError:
+        raise ValueError(f"PAGODA_CUDA_SKINNY_ROWS={raw!r}: expected a number of rows from 0 to {MAX_ROWS}") from None
+    if not 0 <= rows <= MAX_ROWS:
+        raise ValueError(f"PAGODA_CUDA_SKINNY_ROWS={rows}: expected a number of rows from 0 to {MAX_ROWS}")
+    return rows
+
+
+SKINNY_ROWS = _skinny_rows()  # up to this many rows the Triton kernel runs; above, torch's linear
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, x_stride, w_ptr, w_stride, b_ptr, y_ptr, y_stride, M, N, K,
+                   HAS_BIAS: tl.constexpr, NATIVE: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    lanes = tl.arange(0, BLOCK_K)
+    col_ok = cols < N
+    row_ok = rows < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * w_stride
+    x_rows = x_ptr + rows[:, None] * x_stride
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + lanes
+        k_ok = ks < K
+        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        if NATIVE:  # bf16 / fp16 on the tensor cores, float32 sums
+            acc += tl.dot(x, tl.trans(w))
+        else:  # float32 models, and the interpreter (which computes bf16 wrongly)
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out = y_ptr + rows[:, None] * y_stride + cols[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def skinny_config(n: int, k: int, programs: int = 132) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages): column blocks as narrow as it takes for about one program per
+    multiprocessor (each then streams its rows of the weight with four steps of loads in flight), 16 at
+    the narrowest (one tensor-core tile)."""
+    block_n = 64
+    while block_n > 16 and triton.cdiv(n, block_n) < programs:
+        block_n //= 2
+    return block_n, 256 if k >= 256 else max(16, triton.next_power_of_2(k)), 4, 4
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N] in x's dtype, for at most MAX_ROWS rows."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    m, k = x2.shape
+    n = w.shape[0]
+    if m > MAX_ROWS:
+        raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, not {m}")
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m:
+        block_n, block_k, warps, stages = config or skinny_config(n, k, sm_count(x.device))
+        native = x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16) and not interpreting()
+        _skinny_kernel[(triton.cdiv(n, block_n),)](
+            x2, x2.stride(0), w, w.stride(0), bias if bias is not None else w, y, y.stride(0), m, n, k,
+            HAS_BIAS=bias is not None, NATIVE=native, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=warps, num_stages=stages)
+    return y.view(*shape[:-1], n)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``linear`` kernel op: the Triton kernel for at most SKINNY_ROWS rows, torch's linear for more."""
+    if SKINNY_ROWS and x.numel() // max(1, x.shape[-1]) <= SKINNY_ROWS and x.dtype == weight.dtype:
+        return skinny_linear(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)

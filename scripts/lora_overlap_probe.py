@@ -1,0 +1,120 @@
+"""Probe (issue 20): does the LoRA update overlap its layer's base GEMM when the two run on two streams
+of one CUDA graph? Qwen3-0.6B's 28 layers x 4 adapted projections (own weights each, so they come
+from HBM as in the engine), T tokens cycling over ``adapters`` rank-16 adapters, replayed from one
+graph per variant:
+  base        the GEMMs alone
+  sequential  GEMM, then the fused LoRA kernel adding into its output (the engine today)
+  overlapped  side stream: zero a delta, fused kernel into it; main: the GEMM; join; y += delta
+Prints us per step (all 112 projections) and per projection. Run on a CUDA machine:
+  python scripts/lora_overlap_probe.py [--tokens 64] [--adapters 1 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from pagoda.lora.ops import max_tiles, token_tiles
+from pagoda_cuda.kernel_bench import LORA_LAYERS
+from pagoda_cuda.ops.lora import lora_fused
+
+LAYERS = 28
+
+
+def build(tokens: int, adapters: int, rank: int = 16):
+    projections = []
+    for _ in range(LAYERS):
+        for k, n, pieces in LORA_LAYERS.values():
+            r = rank * len(pieces)
+            b = torch.zeros(adapters, n, r, device="cuda", dtype=torch.bfloat16)
+            offset = 0
+            for i, size in enumerate(pieces):
+                b[:, offset:offset + size, i * rank:(i + 1) * rank] = torch.randn(adapters, size, rank, device="cuda")
+                offset += size
+            projections.append({
+                "x": torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16),
+                "w": torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5,
+                "a": torch.randn(adapters, r, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5,
+                "b": b / 4, "pieces": pieces, "y": torch.empty(tokens, n, device="cuda", dtype=torch.bfloat16),
+                "delta": torch.empty(tokens, n, device="cuda", dtype=torch.bfloat16)})
+    slots = torch.arange(tokens) % adapters
+    order = torch.argsort(slots, stable=True)
+    tiles = torch.from_numpy(token_tiles(slots[order].numpy(), pad_to=max_tiles(tokens, adapters))).cuda()
+    return projections, slots.cuda(), order.cuda(), tiles
+
+
+def variants(projections, slots, order, tiles, side: torch.cuda.Stream):
+    def base():
+        for p in projections:
+            torch.nn.functional.linear(p["x"], p["w"], out=p["y"])
+
+    def sequential():
+        for p in projections:
+            torch.nn.functional.linear(p["x"], p["w"], out=p["y"])
+            lora_fused(p["x"], p["y"], p["a"], p["b"], slots, order, tiles, p["pieces"])
+
+    def overlapped():
+        main = torch.cuda.current_stream()
+        for p in projections:
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                p["delta"].zero_()
+                lora_fused(p["x"], p["delta"], p["a"], p["b"], slots, order, tiles, p["pieces"])
+            torch.nn.functional.linear(p["x"], p["w"], out=p["y"])
+            main.wait_stream(side)
+            p["y"].add_(p["delta"])
+
+    return {"base": base, "sequential": sequential, "overlapped": overlapped}
+
+
+def replay_seconds(fn, iters: int = 50) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile / warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[64])
+    parser.add_argument("--adapters", type=int, nargs="+", default=[1, 16])
+    args = parser.parse_args()
+    side = torch.cuda.Stream()
+    print("| tokens | adapters | variant | us per step (112 projections) | us per projection | LoRA cost vs base |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for tokens in args.tokens:
+        for adapters in args.adapters:
+            projections, slots, order, tiles = build(tokens, adapters)
+            fns = variants(projections, slots, order, tiles, side)
+            ref = None
+            results = {}
+            for name, fn in fns.items():
+                results[name] = replay_seconds(fn)
+                if name != "base":  # the variants agree
+                    y = torch.cat([p["y"].float().flatten() for p in projections])
+                    ref = y if ref is None else ref
+                    err = (y - ref).abs().max().item()
+                    assert err < 0.05 * ref.abs().max().item(), (name, err)
+            for name, seconds in results.items():
+                cost = seconds / results["base"] - 1
+                per = seconds * 1e6 / len(projections)
+                print(f"| {tokens} | {adapters} | {name} | {seconds * 1e6:.1f} | {per:.2f} | {cost:+.0%} |")
+
+
+if __name__ == "__main__":
+    main()
