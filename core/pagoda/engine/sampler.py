@@ -97,7 +97,9 @@ class Sampler:
                 return SampleResult(tokens, [None] * len(seqs))
         else:
             tokens = [0] * len(seqs)
-        rows, raw, work, failed, blocked = self._special(logits, seqs, special, _subset(logits, seqs, special))
+        wants_logprobs = any(seqs[i].params.logprobs is not None for i in special)
+        rows, raw, work, failed, blocked = self._special(logits, seqs, special, _subset(logits, seqs, special),
+                                                         keep_raw=wants_logprobs)
         picked = self._pick(work, rows, failed, blocked)
         out: list = [None] * len(seqs)
         if any(s.params.logprobs is not None for s in rows):
@@ -118,23 +120,23 @@ class Sampler:
         step's tokens this way without waiting for the device. Grammar masks are filled on the host
         from the matchers as they stand; sequences that already finished (a token computed ahead for
         them is thrown away) take the argmax."""
-        tokens = logits.argmax(dim=-1)
         special = [i for i, s in enumerate(seqs)
                    if not s.is_finished and (not s.params.argmax_only or s.grammar is not None)]
         if not special:
-            return DeviceSelection(tokens)
+            return DeviceSelection(logits.argmax(dim=-1))
         index = _subset(logits, seqs, special)
-        rows, _, work, failed, blocked = self._special(logits, seqs, special, index)
+        tokens = None if index is None else logits.argmax(dim=-1)  # (every row special: none is the argmax)
+        rows, _, work, failed, blocked = self._special(logits, seqs, special, index, keep_raw=False)
         params = [s.params for s in rows]
         random_rows = [j for j, p in enumerate(params) if not p.greedy]
         noise = self._noise(work.shape[-1], rows, random_rows, failed)
         try:
             picked = _select(work, params, random_rows, noise)
         except Exception:  # row by row on the host, pinning the failure down (reads the device)
-            picked = torch.tensor(self._pick(work, rows, failed, blocked, noise), device=tokens.device)
+            picked = torch.tensor(self._pick(work, rows, failed, blocked, noise), device=logits.device)
             blocked = []
         if index is None:
-            tokens = picked.to(tokens.dtype)
+            tokens = picked.to(torch.int64)
         else:
             tokens.index_copy_(0, index, picked.to(tokens.dtype))
         grammar_rows, flags = blocked[0] if blocked else ([], None)
@@ -142,15 +144,19 @@ class Sampler:
                                {special[j]: exc for j, exc in failed.items()})
 
     def _special(self, logits: torch.Tensor, seqs: list[Sequence], special: list[int],
-                 index: torch.Tensor | None) -> tuple:
+                 index: torch.Tensor | None, keep_raw: bool) -> tuple:
         """The rows ``special`` (``index`` on the device; None: every row) that take more than the argmax:
         (their sequences, their raw logits float32 [S, V], those logits after processing and grammar masks,
-        failed rows by position in them, the grammar rows' "no token left" flags)."""
+        failed rows by position in them, the grammar rows' "no token left" flags). The processing works on a
+        copy when the caller reads the raw logits afterwards (``keep_raw``: logprobs) or when they are the
+        caller's own tensor (float32 logits, every row special); else in place (a [S, V] float32 copy less
+        per step: the rows were gathered or upcast already)."""
         rows = [seqs[i] for i in special]
         raw = (logits if index is None else logits.index_select(0, index)).float()
         failed: dict[int, BaseException] = {}  # by position in ``rows``
         blocked: list = []  # (grammar rows, device flags): rows whose grammar allows no token
-        return rows, raw, self._processed(raw, rows, failed, blocked), failed, blocked
+        work = self._processed(raw, rows, failed, blocked, copy=keep_raw or raw is logits)
+        return rows, raw, work, failed, blocked
 
     def prompt_logprobs(self, logits: torch.Tensor, seq: Sequence, first: int) -> dict[int, list]:
         """logits [R, V] at prompt positions first .. first + R - 1 of ``seq``: for each, the
@@ -168,15 +174,17 @@ class Sampler:
         return {seq.seq_id: [(first + 1 + r, c, rank, top) for r, (c, rank, top)
                              in enumerate(zip(chosen.squeeze(1).tolist(), ranks, tops))]}
 
-    def _processed(self, raw: torch.Tensor, rows: list[Sequence], failed: dict, blocked: list) -> torch.Tensor:
-        """The rows' logits after their own processing and grammar masks (a copy when anything applies).
+    def _processed(self, raw: torch.Tensor, rows: list[Sequence], failed: dict, blocked: list,
+                   copy: bool = True) -> torch.Tensor:
+        """The rows' logits after their own processing and grammar masks (``copy``: in a copy when anything
+        applies, else in ``raw`` itself).
         ``blocked`` receives (grammar rows, device flags of the rows left with no allowed token), read
         with the picked tokens in one transfer."""
         needs = [j for j, s in enumerate(rows) if s.params.needs_processing]
         grammar = [j for j, s in enumerate(rows) if s.grammar is not None]
         if not needs and not grammar:
             return raw
-        work = raw.clone()
+        work = raw.clone() if copy else raw
         for j in needs:
             try:
                 process_row(work[j], rows[j], self.stop_token_ids, self.processors)
