@@ -14,8 +14,10 @@
 # Settings: SHAPES="qwen3-0.6b phi3-mini" BATCHES="1 8" INPUT_LEN=512 OUTPUT_LEN=128 ITERS=3 RUN_TIMEOUT=100
 #   DEVICE=cuda DTYPE=bfloat16 BENCH_ARGS="" (extra arguments, e.g. --enforce-eager)
 #   SKIP_INSTALL=1 (use the pagoda already importable, e.g. a CPU check: DEVICE=cpu DTYPE=float32)
-#   SKINNY_ROWS="0 16": each run once per value of PAGODA_CUDA_SKINNY_ROWS (pagoda-cuda's Triton product for
-#   that many rows or fewer; 0: cuBLAS at every size), interleaved, files named ...-s<rows>; default "0"
+#   VARIANTS="default PAGODA_CUDA_SKINNY_ROWS=16 PAGODA_CUDA_PDL=1 PAGODA_CUDA_SKINNY_ROWS=16,PAGODA_CUDA_PDL=1":
+#   each run once per variant (comma-separated VAR=VALUE settings, or "default"), interleaved, files named
+#   ...-v<i> (i from 1); default "default". The two switches of docs/cuda.md: pagoda-cuda's Triton product
+#   for a few rows, and programmatic dependent launch of the decode path's kernels
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/out/latency}
@@ -30,7 +32,7 @@ RUN_TIMEOUT=${RUN_TIMEOUT:-100}
 DEVICE=${DEVICE:-cuda}
 DTYPE=${DTYPE:-bfloat16}
 BENCH_ARGS=${BENCH_ARGS:-}
-SKINNY_ROWS=${SKINNY_ROWS:-0}
+VARIANTS=${VARIANTS:-default}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 T0=$(date +%s)
@@ -44,12 +46,16 @@ $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_av
 
 for shape in $SHAPES; do
   for batch in $BATCHES; do
-    for rows in $SKINNY_ROWS; do
-      name="$shape-b$batch-s$rows"
-      say "bench latency $shape, batch $batch x $INPUT_LEN in x $OUTPUT_LEN out, PAGODA_CUDA_SKINNY_ROWS=$rows"
+    i=0
+    for variant in $VARIANTS; do
+      i=$((i + 1))
+      name="$shape-b$batch-v$i"
+      settings=()
+      [ "$variant" = default ] || IFS=, read -r -a settings <<<"$variant"
+      say "bench latency $shape, batch $batch x $INPUT_LEN in x $OUTPUT_LEN out, variant $i: $variant"
       # --max-num-seqs: decode graphs are captured up to the batch only (setup time)
       # shellcheck disable=SC2086
-      PAGODA_CUDA_SKINNY_ROWS=$rows timeout "$RUN_TIMEOUT" $PY -m pagoda.cli.main bench latency --shape "$shape" \
+      env "${settings[@]}" timeout "$RUN_TIMEOUT" $PY -m pagoda.cli.main bench latency --shape "$shape" \
         --device "$DEVICE" --dtype "$DTYPE" --batch-size "$batch" --input-len "$INPUT_LEN" \
         --output-len "$OUTPUT_LEN" --num-iters "$ITERS" --num-iters-warmup 1 --max-num-seqs "$batch" \
         --json "$OUT/lat-$name.json" $BENCH_ARGS >"$OUT/lat-$name.txt" 2>&1 \
@@ -59,23 +65,23 @@ for shape in $SHAPES; do
   done
 done
 say "done"
-$PY - "$OUT" "$SHAPES" "$BATCHES" "$SKINNY_ROWS" <<'PYEOF' 2>&1 | tee -a "$LOG" "$OUT/summary.txt"
+$PY - "$OUT" "$SHAPES" "$BATCHES" "$VARIANTS" <<'PYEOF' 2>&1 | tee -a "$LOG" "$OUT/summary.txt"
 import json, sys
 from pathlib import Path
-out, shapes, batches, skinny = Path(sys.argv[1]), sys.argv[2].split(), sys.argv[3].split(), sys.argv[4].split()
-print("| shape | batch | skinny rows | p50 ITL ms | floor ms | fraction of floor | e2e s |")
+out, shapes, batches, variants = Path(sys.argv[1]), sys.argv[2].split(), sys.argv[3].split(), sys.argv[4].split()
+print("| shape | batch | variant | p50 ITL ms | floor ms | fraction of floor | e2e s |")
 print("| --- | --- | --- | --- | --- | --- | --- |")
 for shape in shapes:
   for batch in batches:
-    for rows in skinny:
-        name = f"{shape}-b{batch}-s{rows}"
+    for i, variant in enumerate(variants, 1):
+        name = f"{shape}-b{batch}-v{i}"
         try:
             r = json.loads((out / f"lat-{name}.json").read_text())
         except (OSError, ValueError):
-            print(f"| {shape} | {batch} | {rows} | failed (see lat-{name}.txt) | | | |")
+            print(f"| {shape} | {batch} | {variant} | failed (see lat-{name}.txt) | | | |")
             continue
         floor, frac = r.get("floor") or {}, r.get("fraction_of_floor")
         fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
-        print(f"| {shape} | {batch} | {rows} | {fmt(r['requests_ms']['itl']['p50'], '.3f')} | "
+        print(f"| {shape} | {batch} | {variant} | {fmt(r['requests_ms']['itl']['p50'], '.3f')} | "
               f"{fmt(floor.get('itl_ms'), '.3f')} | {fmt(frac, '.2f')} | {r['batch_latency_s']['p50']:.3f} |")
 PYEOF

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 from pagoda.kernels.triton_support import interpreting, prepare_interpreter
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-__all__ = ["gelu_tanh", "interpreting", "mma", "next_pow2", "silu", "sm_count", "tanh", "to_f16"]
+__all__ = ["gelu_tanh", "interpreting", "mma", "next_pow2", "pdl", "silu", "sm_count", "tanh", "to_f16",
+           "wait_for_inputs"]
 
 prepare_interpreter()
 
@@ -28,6 +32,42 @@ def sm_count(device) -> int:
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SM_COUNT[index]
+
+
+def _pdl_requested() -> bool:
+    raw = os.environ.get("PAGODA_CUDA_PDL", "0").strip().lower()
+    if raw not in ("", "0", "1", "false", "true"):
+        raise ValueError(f"PAGODA_CUDA_PDL={raw!r}: expected 1 or 0")
+    return raw in ("1", "true")
+
+
+PDL_REQUESTED = _pdl_requested()  # read at import, as the kernels' other switches
+_PDL: dict[int, bool] = {}
+
+
+def pdl(device) -> bool:
+    """Whether the decode path's kernels launch on ``device`` with programmatic dependent launch (PDL):
+    ``PAGODA_CUDA_PDL=1``, a GPU of compute capability 9.0 or later (Hopper), not the interpreter. Such
+    a kernel is started while the kernel before it finishes (its launch and set-up overlap that kernel's
+    tail; in a CUDA graph the dependency is a programmatic edge) and waits in ``wait_for_inputs`` before
+    it touches memory. Off until measured on a GPU (docs/cuda.md)."""
+    if not PDL_REQUESTED or device.type != "cuda" or interpreting():
+        return False
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _PDL:
+        _PDL[index] = torch.cuda.get_device_capability(index) >= (9, 0)
+    return _PDL[index]
+
+
+@triton.jit
+def wait_for_inputs(PDL: tl.constexpr):
+    """The first statement of a kernel that ``pdl`` may launch early: wait until the kernel before it has
+    finished and its writes are visible, then let the next kernel start launching. Nothing without PDL."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda_cuda._triton import interpreting, next_pow2, sm_count, to_f16
+from pagoda_cuda._triton import interpreting, next_pow2, pdl, sm_count, to_f16, wait_for_inputs
 from pagoda_cuda.attention.key_tile import key_tile
 
 LOG2E = tl.constexpr(1.4426950408889634)  # a global a kernel reads must be a constexpr
@@ -34,7 +34,8 @@ def _decode_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, str
                    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    USE_WINDOW: tl.constexpr, USE_CAP: tl.constexpr, UPCAST: tl.constexpr,
                    IEEE: tl.constexpr, HAS_SCALE: tl.constexpr, HEADS_ADJACENT: tl.constexpr,
-                   DOT_F16: tl.constexpr, HAS_SINKS: tl.constexpr):
+                   DOT_F16: tl.constexpr, HAS_SINKS: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     if HEADS_ADJACENT:  # the KV heads of one sequence run side by side: together they read whole pages
         kvh = tl.program_id(0)
         b = tl.program_id(1)
@@ -110,7 +111,8 @@ def _decode_kernel(q_ptr, stride_qt, stride_qh, k_cache, v_cache, stride_cb, str
 @triton.jit
 def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, sinks_ptr, num_decodes_ptr,
                   MIXED: tl.constexpr, HEAD: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                  BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr):
+                  BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     b = tl.program_id(0).to(tl.int64)
     if MIXED:
         if b >= tl.load(num_decodes_ptr):
@@ -189,10 +191,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         decode_config(head, group, fp8=fp8)
     upcast = interpreting()
     ieee = q.dtype == torch.float32
-    common = dict(HAS_SCALE=bool(kv_scales), GROUP=group, BLOCK_H=block_h, HEAD=head, BLOCK_D=block_d,
-                  BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits, USE_WINDOW=bool(sliding_window),
-                  USE_CAP=bool(soft_cap), UPCAST=upcast, IEEE=ieee, HEADS_ADJACENT=bool(adjacent),
-                  DOT_F16=fp8 and not ieee, HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages)
+    early = pdl(q.device)
+    common = dict(PDL=early, launch_pdl=early, HAS_SCALE=bool(kv_scales), GROUP=group, BLOCK_H=block_h,
+                  HEAD=head, BLOCK_D=block_d, BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits,
+                  USE_WINDOW=bool(sliding_window), USE_CAP=bool(soft_cap), UPCAST=upcast, IEEE=ieee,
+                  HEADS_ADJACENT=bool(adjacent), DOT_F16=fp8 and not ieee, HAS_SINKS=sinks is not None,
+                  num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         part_out = torch.empty((b, nq, num_splits, block_d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((b, nq, num_splits), dtype=torch.float32, device=q.device)
@@ -211,4 +215,4 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                                num_decodes if num_decodes is not None else seq_lens, MIXED=num_decodes is not None,
                                HEAD=head, BLOCK_D=block_d,
                                NUM_SPLITS=num_splits, BLOCK_S=max(2, next_pow2(num_splits)),
-                               HAS_SINKS=sinks is not None, num_warps=4)
+                               HAS_SINKS=sinks is not None, PDL=early, num_warps=4, launch_pdl=early)

@@ -184,7 +184,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     if num_splits > 1:
         _merge_kernel[(b, heads)](part_out, part_lse, out, out.stride(0), out.stride(1), seq_lens, seq_lens,
                                   MIXED=False, HEAD=lora, BLOCK_D=block_l, NUM_SPLITS=num_splits,
-                                  BLOCK_S=max(2, next_pow2(num_splits)), HAS_SINKS=False, num_warps=4)
+                                  BLOCK_S=max(2, next_pow2(num_splits)), HAS_SINKS=False, PDL=False, num_warps=4)
 
 
 def mla_splits(num_seqs: int, num_heads: int, max_seq_len: int, device: torch.device, lora: int = 512,

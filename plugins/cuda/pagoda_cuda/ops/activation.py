@@ -10,13 +10,15 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda_cuda._triton import gelu_tanh, silu
+from pagoda_cuda._triton import gelu_tanh, pdl, silu, wait_for_inputs
 
 BLOCK = 1024
 
 
 @triton.jit
-def _gated_kernel(x_ptr, x_stride, out_ptr, out_stride, inner, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _gated_kernel(x_ptr, x_stride, out_ptr, out_stride, inner, ACT: tl.constexpr, BLOCK: tl.constexpr,
+                  PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inner
@@ -40,7 +42,9 @@ def _gated(x: torch.Tensor, act: str) -> torch.Tensor:
     out = torch.empty((n, inner), dtype=x.dtype, device=x.device)
     if n:
         grid = (n, triton.cdiv(inner, BLOCK))
-        _gated_kernel[grid](x2, x2.stride(0), out, out.stride(0), inner, ACT=act, BLOCK=BLOCK, num_warps=4)
+        early = pdl(x.device)
+        _gated_kernel[grid](x2, x2.stride(0), out, out.stride(0), inner, ACT=act, BLOCK=BLOCK, PDL=early,
+                            num_warps=4, launch_pdl=early)
     return out.view(*shape[:-1], inner)
 
 

@@ -6,15 +6,17 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda_cuda._triton import next_pow2
+from pagoda_cuda._triton import next_pow2, pdl, wait_for_inputs
 
 
 @triton.jit
 def _store_kv_kernel(k_ptr, k_stride_t, k_stride_h, v_ptr, v_stride_t, v_stride_h, kc_ptr, vc_ptr,
                      stride_cb, stride_cs, stride_ch, page, slot_ptr, k_scale_ptr, v_scale_ptr, limit, num_heads,
-                     HEAD: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SCALE: tl.constexpr):
+                     HEAD: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SCALE: tl.constexpr,
+                     PDL: tl.constexpr):
     # one program per token: [num_heads, HEAD] of K and of V to cache row ``slot`` (block
     # slot // page, offset slot % page; the cache strides give the layout)
+    wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     heads = tl.arange(0, BLOCK_HEADS)
@@ -54,8 +56,9 @@ def store_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
     block_heads, block_d = next_pow2(nk), next_pow2(hs)
     has_scale = k_scale is not None
     limit = float(torch.finfo(kv_cache.dtype).max) if has_scale else 0.0
+    early = pdl(k.device)
     _store_kv_kernel[(t,)](k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), kv_cache[0], kv_cache[1],
                            kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.shape[2],
                            slot_mapping, k_scale if has_scale else slot_mapping, v_scale if has_scale else slot_mapping,
                            limit, nk, HEAD=hs, BLOCK_HEADS=block_heads, BLOCK_D=block_d, HAS_SCALE=has_scale,
-                           num_warps=4 if block_heads * block_d <= 4096 else 8)
+                           PDL=early, num_warps=4 if block_heads * block_d <= 4096 else 8, launch_pdl=early)

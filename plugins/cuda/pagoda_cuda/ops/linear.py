@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda_cuda._triton import interpreting, sm_count
+from pagoda_cuda._triton import interpreting, pdl, sm_count, wait_for_inputs
 
 MAX_ROWS = 16  # the kernel pads its rows to 16 (one tensor-core tile)
 
@@ -43,7 +43,8 @@ SKINNY_ROWS = _skinny_rows()  # up to this many rows the Triton kernel runs; abo
 @triton.jit
 def _skinny_kernel(x_ptr, x_stride, w_ptr, w_stride, b_ptr, y_ptr, y_stride, M, N, K,
                    HAS_BIAS: tl.constexpr, NATIVE: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     lanes = tl.arange(0, BLOCK_K)
@@ -93,10 +94,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if m:
         block_n, block_k, warps, stages = config or skinny_config(n, k, sm_count(x.device))
         native = x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16) and not interpreting()
+        early = pdl(x.device)
         _skinny_kernel[(triton.cdiv(n, block_n),)](
             x2, x2.stride(0), w, w.stride(0), bias if bias is not None else w, y, y.stride(0), m, n, k,
             HAS_BIAS=bias is not None, NATIVE=native, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
-            num_warps=warps, num_stages=stages)
+            PDL=early, num_warps=warps, num_stages=stages, launch_pdl=early)
     return y.view(*shape[:-1], n)
 
 

@@ -12,14 +12,16 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda_cuda._triton import next_pow2
+from pagoda_cuda._triton import next_pow2, pdl, wait_for_inputs
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, x_stride, res_ptr, res_stride, w_ptr, out_ptr, out_stride, sum_ptr,
                      sum_stride, n_rows, H, eps, offset,
-                     HAS_RES: tl.constexpr, OFFSET: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+                     HAS_RES: tl.constexpr, OFFSET: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+                     PDL: tl.constexpr):
     # One program normalises BLOCK_R rows of H values (BLOCK_H = next power of two >= H).
+    wait_for_inputs(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_H)
     rmask = rows < n_rows
@@ -60,17 +62,18 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     block_r = max(1, min(16, 2048 // block_h))
     num_warps = 4 if block_h <= 2048 else 8 if block_h <= 8192 else 16
     grid = (triton.cdiv(n, block_r),)
+    early = pdl(x.device)
     if residual is None:
         _rms_norm_kernel[grid](x2, x2.stride(0), x2, 0, weight, out, out.stride(0), out, 0, n, h, eps,
                                float(offset or 0.0), HAS_RES=False, OFFSET=offset is not None, BLOCK_R=block_r,
-                               BLOCK_H=block_h, num_warps=num_warps)
+                               BLOCK_H=block_h, PDL=early, num_warps=num_warps, launch_pdl=early)
         return out.view(shape), None
     r2 = _rows(residual)
     summed = torch.empty((n, h), dtype=x.dtype, device=x.device)
     _rms_norm_kernel[grid](x2, x2.stride(0), r2, r2.stride(0), weight, out, out.stride(0), summed,
                            summed.stride(0), n, h, eps, float(offset or 0.0),
                            HAS_RES=True, OFFSET=offset is not None, BLOCK_R=block_r, BLOCK_H=block_h,
-                           num_warps=num_warps)
+                           PDL=early, num_warps=num_warps, launch_pdl=early)
     return out.view(shape), summed.view(shape)
 
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda_cuda._triton import next_pow2
+from pagoda_cuda._triton import next_pow2, pdl, wait_for_inputs
 
 
 @triton.jit
@@ -89,7 +89,9 @@ def _rotate_heads(x_ptr, x_row, o_ptr, o_row, num_heads, cos, sin, w_ptr, eps,
 def _rotary_kernel(pos_ptr, q_ptr, q_stride, k_ptr, k_stride, qo_ptr, ko_ptr, cache_ptr, cache_stride,
                    num_q_heads, num_k_heads, qw_ptr, kw_ptr, eps,
                    HEAD: tl.constexpr, ROT: tl.constexpr, HALF_PAD: tl.constexpr, QH_PAD: tl.constexpr,
-                   KH_PAD: tl.constexpr, PASS_PAD: tl.constexpr, IS_NEOX: tl.constexpr, NORM: tl.constexpr):
+                   KH_PAD: tl.constexpr, PASS_PAD: tl.constexpr, IS_NEOX: tl.constexpr, NORM: tl.constexpr,
+                   PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     i = tl.arange(0, HALF_PAD)
@@ -120,11 +122,12 @@ def _launch(positions, q, k, head_size, cos_sin_cache, is_neox, norm=None):
     pos = positions if positions.is_contiguous() else positions.contiguous()
     q_weight, k_weight, eps = norm if norm is not None else (cache, cache, 0.0)
     work = max(nq, nk) * next_pow2(head_size)
+    early = pdl(q.device)
     _rotary_kernel[(t,)](pos, q2, q2.stride(0), k2, k2.stride(0), q_out, k_out, cache, cache.stride(0),
                          nq, nk, q_weight, k_weight, float(eps), HEAD=head_size, ROT=rot,
                          HALF_PAD=next_pow2(rot // 2), QH_PAD=next_pow2(nq), KH_PAD=next_pow2(nk),
                          PASS_PAD=next_pow2(max(1, head_size - rot)), IS_NEOX=is_neox, NORM=norm is not None,
-                         num_warps=4 if work <= 4096 else 8)
+                         PDL=early, num_warps=4 if work <= 4096 else 8, launch_pdl=early)
     return q_out, k_out
 
 
