@@ -2,7 +2,9 @@
 torch's (cuBLAS) at the decode shapes of Qwen3-0.6B and Phi-3-mini, M = 1 and 8 rows. Each case
 chains one GEMM per layer over distinct weights (so they come from HBM, as in a decode step) and is
 timed replayed from a CUDA graph. Prints, per shape and M: cuBLAS us per call and GB/s, the best
-config of the sweep and its us and GB/s, and the config the module picks; a table last.
+config of the sweep and its us and GB/s, the config the module picks, and that config launched with
+programmatic dependent launch (each kernel's leading weight columns loaded while the one before it runs;
+Hopper); a table last.
   python scripts/skinny_linear_probe.py [--rows 1 8] [--quick]
 """
 
@@ -12,6 +14,7 @@ import argparse
 import itertools
 
 import torch
+from pagoda_cuda import _triton
 from pagoda_cuda._triton import sm_count
 from pagoda_cuda.ops.linear import skinny_config, skinny_linear
 
@@ -42,7 +45,8 @@ def replay_us(fn, iters: int = 20) -> float:
 
 
 def measure(name: str, k: int, n: int, layers: int, m: int, sweep: bool) -> tuple:
-    """One row of the table: (name, M, cuBLAS us, GB/s, chosen config, us, best config, us, GB/s)."""
+    """One row of the table: (name, M, cuBLAS us, GB/s, chosen config, us, best config, us, GB/s, chosen
+    config's us under programmatic dependent launch or None)."""
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(layers)]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     ref = torch.nn.functional.linear(x, weights[0])
@@ -61,8 +65,15 @@ def measure(name: str, k: int, n: int, layers: int, m: int, sweep: bool) -> tupl
             continue
         if us < best:
             best_cfg, best = cfg, us
+    with_pdl = None
+    if torch.cuda.get_device_capability() >= (9, 0):
+        _triton.PDL_REQUESTED, _triton._PDL = True, {}
+        try:
+            with_pdl = replay_us(lambda: [skinny_linear(x, w) for w in weights]) / layers
+        finally:
+            _triton.PDL_REQUESTED, _triton._PDL = False, {}
     nbytes = n * k * 2
-    return name, m, cublas, nbytes / cublas / 1e3, chosen_cfg, chosen, best_cfg, best, nbytes / best / 1e3
+    return name, m, cublas, nbytes / cublas / 1e3, chosen_cfg, chosen, best_cfg, best, nbytes / best / 1e3, with_pdl
 
 
 def main() -> None:
@@ -76,12 +87,14 @@ def main() -> None:
             row = measure(name, k, n, layers, m, not args.quick)
             table.append(row)
             print(f"{name} M={m}: cuBLAS {row[2]:.2f} us ({row[3]:.0f} GB/s); chosen {row[4]} {row[5]:.2f} us; "
-                  f"best {row[6]} {row[7]:.2f} us ({row[8]:.0f} GB/s)", flush=True)
-    print("| shape | M | cuBLAS us | GB/s | chosen config | us | best config | us | GB/s | best / cuBLAS |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, m, cub, cub_bw, ccfg, cus, bcfg, bus, bbw in table:
-        print(f"| {name} | {m} | {cub:.2f} | {cub_bw:.0f} | {ccfg} | {cus:.2f} | {bcfg} | {bus:.2f} | {bbw:.0f} | "
-              f"{bus / cub:.2f} |")
+                  f"best {row[6]} {row[7]:.2f} us ({row[8]:.0f} GB/s); chosen with PDL {row[9]} us", flush=True)
+    print("| shape | M | cuBLAS us | GB/s | chosen config | us | with PDL us | best config | us | GB/s | "
+          "best / cuBLAS |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, m, cub, cub_bw, ccfg, cus, bcfg, bus, bbw, pus in table:
+        pdl_us = "n/a" if pus is None else f"{pus:.2f}"
+        print(f"| {name} | {m} | {cub:.2f} | {cub_bw:.0f} | {ccfg} | {cus:.2f} | {pdl_us} | {bcfg} | {bus:.2f} | "
+              f"{bbw:.0f} | {bus / cub:.2f} |")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,19 @@ def test_skinny_linear_matches_torch(device, rows, k, n, bias):
     torch.testing.assert_close(skinny_linear(x, w, b), torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("k", [12, 64, 100, 1030])
+def test_skinny_linear_with_its_weights_prefetched_matches_torch(device, k):
+    # the leading columns loaded before the wait (programmatic dependent launch): fewer than, as many as, and
+    # more than K
+    from pagoda_cuda.ops.linear import prefetch_columns, skinny_linear
+
+    gen = torch.Generator().manual_seed(k)
+    x, w, b = torch.randn(3, k, generator=gen), torch.randn(40, k, generator=gen), torch.randn(40, generator=gen)
+    assert prefetch_columns(16, k) == min(1024, max(16, 1 << (k.bit_length() - 1)))
+    got = skinny_linear(x.to(device), w.to(device), b.to(device), config=(16, 32, 4, 2), prefetch=True)
+    torch.testing.assert_close(got.cpu(), torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)
+
+
 def test_skinny_linear_takes_a_batch_view_and_keeps_leading_dims(device):
     from pagoda_cuda.ops.linear import skinny_linear
 

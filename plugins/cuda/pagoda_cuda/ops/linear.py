@@ -41,31 +41,57 @@ SKINNY_ROWS = _skinny_rows()  # up to this many rows the Triton kernel runs; abo
 
 
 @triton.jit
+def _dot_rows(x, w, NATIVE: tl.constexpr):
+    """x [BLOCK_M, k] @ w [BLOCK_N, k].T, float32."""
+    if NATIVE:  # bf16 / fp16 on the tensor cores, float32 sums
+        return tl.dot(x, tl.trans(w))
+    else:  # float32 models, and the interpreter (which computes bf16 wrongly)
+        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+
+
+@triton.jit
 def _skinny_kernel(x_ptr, x_stride, w_ptr, w_stride, b_ptr, y_ptr, y_stride, M, N, K,
                    HAS_BIAS: tl.constexpr, NATIVE: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    wait_for_inputs(PDL)
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE_K: tl.constexpr, PDL: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
-    lanes = tl.arange(0, BLOCK_K)
     col_ok = cols < N
     row_ok = rows < M
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * w_stride
     x_rows = x_ptr + rows[:, None] * x_stride
-    for k0 in range(0, K, BLOCK_K):
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PRE_K > 0:
+        # the first PRE_K columns of this program's weight rows are loaded before the wait: the weights do not
+        # change during a forward, so under programmatic dependent launch they stream in while the kernel
+        # before this one still runs (the activations are read only after the wait)
+        pre = tl.arange(0, PRE_K)
+        w_pre = tl.load(w_rows + pre[None, :], mask=col_ok[:, None] & (pre[None, :] < K), other=0.0)
+        wait_for_inputs(PDL)
+        x_pre = tl.load(x_rows + pre[None, :], mask=row_ok[:, None] & (pre[None, :] < K), other=0.0)
+        acc += _dot_rows(x_pre, w_pre, NATIVE)
+    else:
+        wait_for_inputs(PDL)
+    lanes = tl.arange(0, BLOCK_K)
+    for k0 in range(PRE_K, K, BLOCK_K):
         ks = k0 + lanes
         k_ok = ks < K
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
         x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        if NATIVE:  # bf16 / fp16 on the tensor cores, float32 sums
-            acc += tl.dot(x, tl.trans(w))
-        else:  # float32 models, and the interpreter (which computes bf16 wrongly)
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        acc += _dot_rows(x, w, NATIVE)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out = y_ptr + rows[:, None] * y_stride + cols[None, :]
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+PREFETCH_ELEMENTS = 16384  # weight elements a program loads before its wait (32 KB of bf16: 64 registers a thread)
+
+
+def prefetch_columns(n_block: int, k: int) -> int:
+    """PRE_K: the leading columns of K a program loads before waiting (a power of two, within
+    PREFETCH_ELEMENTS and K)."""
+    fits = PREFETCH_ELEMENTS // n_block
+    return min(fits, 1 << (max(16, k).bit_length() - 1))
 
 
 def skinny_config(n: int, k: int, programs: int = 132) -> tuple[int, int, int, int]:
@@ -79,8 +105,10 @@ def skinny_config(n: int, k: int, programs: int = 132) -> tuple[int, int, int, i
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N] in x's dtype, for at most MAX_ROWS rows."""
+                  config: tuple[int, int, int, int] | None = None, prefetch: bool | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N] in x's dtype, for at most MAX_ROWS rows.
+    ``prefetch`` (default: under programmatic dependent launch) loads the leading weight columns before the
+    kernel waits for its inputs."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
@@ -95,9 +123,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         block_n, block_k, warps, stages = config or skinny_config(n, k, sm_count(x.device))
         native = x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16) and not interpreting()
         early = pdl(x.device)
+        pre_k = prefetch_columns(block_n, k) if (early if prefetch is None else prefetch) else 0
         _skinny_kernel[(triton.cdiv(n, block_n),)](
             x2, x2.stride(0), w, w.stride(0), bias if bias is not None else w, y, y.stride(0), m, n, k,
-            HAS_BIAS=bias is not None, NATIVE=native, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+            HAS_BIAS=bias is not None, NATIVE=native, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, PRE_K=pre_k,
             PDL=early, num_warps=warps, num_stages=stages, launch_pdl=early)
     return y.view(*shape[:-1], n)
 
