@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+import triton
 from pagoda.lora.ops import max_tiles, token_tiles
 from pagoda_cuda.kernel_bench import LORA_LAYERS
 from pagoda_cuda.ops.lora import lora_fused
@@ -67,26 +68,9 @@ def variants(projections, slots, order, tiles, side: torch.cuda.Stream):
     return {"base": base, "sequential": sequential, "overlapped": overlapped}
 
 
-def replay_seconds(fn, iters: int = 50) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compile / warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
+def replay_seconds(fn) -> float:
+    """Seconds per call of ``fn`` replayed from a CUDA graph (triton's timer: a warm-up, then many calls)."""
+    return triton.testing.do_bench_cudagraph(fn) / 1e3
 
 
 def main() -> None:

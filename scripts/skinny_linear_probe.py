@@ -14,6 +14,7 @@ import argparse
 import itertools
 
 import torch
+import triton
 from pagoda_cuda import _triton
 from pagoda_cuda._triton import sm_count
 from pagoda_cuda.ops.linear import skinny_config, skinny_linear
@@ -27,21 +28,9 @@ SHAPES = {  # name: (K, N, layers)
 SWEEP = list(itertools.product((16, 32, 64), (128, 256, 512), ((4, 3), (4, 5), (8, 4))))
 
 
-def replay_us(fn, iters: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
+def replay_us(fn) -> float:
+    """Microseconds per call of ``fn`` replayed from a CUDA graph (triton's timer: a warm-up, then many calls)."""
+    return triton.testing.do_bench_cudagraph(fn) * 1e3
 
 
 def measure(name: str, k: int, n: int, layers: int, m: int, sweep: bool) -> tuple:
