@@ -4,7 +4,7 @@ At M <= SKINNY_ROWS cuBLAS reads a decoder's weights at a fraction of the memory
 (1.2-1.6 TB/s at Qwen3-0.6B's shapes, batch 1; docs/benchmarks.md): its small-M kernels use few
 programs or split K over a second reduction launch. Here each program owns BLOCK_N output columns
 for every row and walks the whole K, BLOCK_K at a time, with the loads of later steps in flight
-(num_stages), so one launch streams the weight once at close to the memory rate. The rows are padded
+(num_stages), so that one launch streams the weight once, aiming at the memory rate. The rows are padded
 to 16 for the tensor cores (the products are free: the weight's bytes are the cost). float32
 accumulation; the result rounds to the input dtype as torch's. Larger M goes to torch (cuBLAS).
 
