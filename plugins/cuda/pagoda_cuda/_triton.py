@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 from pagoda.kernels.triton_support import interpreting, prepare_interpreter
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from pagoda_cuda.switches import lenient, pdl_requested
 
 __all__ = ["gelu_tanh", "interpreting", "mma", "next_pow2", "pdl", "silu", "sm_count", "tanh", "to_f16",
            "wait_for_inputs"]
@@ -34,14 +34,7 @@ def sm_count(device) -> int:
     return _SM_COUNT[index]
 
 
-def _pdl_requested() -> bool:
-    raw = os.environ.get("PAGODA_CUDA_PDL", "0").strip().lower()
-    if raw not in ("", "0", "1", "false", "true"):
-        raise ValueError(f"PAGODA_CUDA_PDL={raw!r}: expected 1 or 0")
-    return raw in ("1", "true")
-
-
-PDL_REQUESTED = _pdl_requested()  # read at import, as the kernels' other switches
+PDL_REQUESTED = lenient(pdl_requested, False)  # read at import, as the kernels' other switches
 _PDL: dict[int, bool] = {}
 
 

@@ -77,6 +77,9 @@ class CudaPlatform(Platform):
         against 0.8 ms with one, on the H200 machine's 16 cores: docs/benchmarks.md). vLLM does the same."""
         import torch
 
+        from pagoda_cuda import switches
+
+        switches.check()  # a malformed kernel switch stops the engine here, named, not as a kernel import failure
         torch.cuda.set_device(index)
         if not os.environ.get("OMP_NUM_THREADS", "").strip() and torch.get_num_threads() != 1:
             logger.info("torch CPU threads: 1 (was %d; set OMP_NUM_THREADS to choose)", torch.get_num_threads())

@@ -67,11 +67,13 @@ def test_the_op_takes_the_kernel_up_to_the_configured_rows(device, monkeypatch):
 
 @pytest.mark.parametrize("raw", ["17", "-1", "many"])
 def test_a_bad_row_setting_names_the_variable(monkeypatch, raw):
-    from pagoda_cuda.ops import linear as mod
+    from pagoda.errors import ConfigError
+    from pagoda_cuda import switches
 
     monkeypatch.setenv("PAGODA_CUDA_SKINNY_ROWS", raw)
-    with pytest.raises(ValueError, match="PAGODA_CUDA_SKINNY_ROWS"):
-        mod._skinny_rows()
+    with pytest.raises(ConfigError, match="PAGODA_CUDA_SKINNY_ROWS"):
+        switches.check()
+    assert switches.lenient(switches.skinny_rows, 0) == 0  # the kernel module reads it as off
 
 
 def test_the_config_keeps_about_one_program_per_multiprocessor():

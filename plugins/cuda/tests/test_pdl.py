@@ -10,18 +10,22 @@ GPU = pytest.mark.gpu
 
 @pytest.mark.parametrize("raw,want", [("", False), ("0", False), ("1", True), ("true", True)])
 def test_the_setting_is_read_from_the_environment(monkeypatch, raw, want):
-    from pagoda_cuda import _triton
+    from pagoda_cuda import switches
 
     monkeypatch.setenv("PAGODA_CUDA_PDL", raw)
-    assert _triton._pdl_requested() is want
+    assert switches.pdl_requested() is want
 
 
-def test_a_bad_setting_names_the_variable(monkeypatch):
-    from pagoda_cuda import _triton
+def test_a_bad_setting_stops_the_engine_at_start_naming_the_variable(monkeypatch):
+    # not at the kernels' import, where the registry would fall back to the torch reference with a warning
+    from pagoda.errors import ConfigError
+    from pagoda_cuda import switches
+    from pagoda_cuda.platform import CudaPlatform
 
     monkeypatch.setenv("PAGODA_CUDA_PDL", "yes please")
-    with pytest.raises(ValueError, match="PAGODA_CUDA_PDL"):
-        _triton._pdl_requested()
+    assert switches.lenient(switches.pdl_requested, False) is False
+    with pytest.raises(ConfigError, match="PAGODA_CUDA_PDL"):
+        CudaPlatform().set_device(0)
 
 
 def test_never_on_a_cpu_tensor_nor_unless_asked(monkeypatch):

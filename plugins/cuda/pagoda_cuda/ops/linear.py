@@ -15,29 +15,15 @@ for products of at most N rows (at most 16); unset or 0, the ``linear`` op is to
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from pagoda_cuda._triton import interpreting, pdl, sm_count, wait_for_inputs
+from pagoda_cuda.switches import MAX_SKINNY_ROWS, lenient, skinny_rows
 
-MAX_ROWS = 16  # the kernel pads its rows to 16 (one tensor-core tile)
-
-
-def _skinny_rows() -> int:
-    raw = os.environ.get("PAGODA_CUDA_SKINNY_ROWS", "0").strip() or "0"
-    try:
-        rows = int(raw)
-    except ValueError:
-        raise ValueError(f"PAGODA_CUDA_SKINNY_ROWS={raw!r}: expected a number of rows from 0 to {MAX_ROWS}") from None
-    if not 0 <= rows <= MAX_ROWS:
-        raise ValueError(f"PAGODA_CUDA_SKINNY_ROWS={rows}: expected a number of rows from 0 to {MAX_ROWS}")
-    return rows
-
-
-SKINNY_ROWS = _skinny_rows()  # up to this many rows the Triton kernel runs; above, torch's linear
+MAX_ROWS = MAX_SKINNY_ROWS  # the kernel pads its rows to 16 (one tensor-core tile)
+SKINNY_ROWS = lenient(skinny_rows, 0)  # up to this many rows the Triton kernel runs; above, torch's linear
 
 
 @triton.jit
