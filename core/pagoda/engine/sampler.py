@@ -102,7 +102,7 @@ class Sampler:
                                                          keep_raw=wants_logprobs)
         picked = self._pick(work, rows, failed, blocked)
         out: list = [None] * len(seqs)
-        if any(s.params.logprobs is not None for s in rows):
+        if wants_logprobs:
             logp = torch.log_softmax(raw, dim=-1)
             for j, seq in enumerate(rows):
                 if seq.params.logprobs is not None and j not in failed:

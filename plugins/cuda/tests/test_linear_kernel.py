@@ -45,10 +45,11 @@ def test_skinny_linear_takes_a_batch_view_and_keeps_leading_dims(device):
 
 
 def test_skinny_linear_refuses_more_rows_than_one_tile(device):
-    from pagoda_cuda.ops.linear import MAX_ROWS, skinny_linear
+    from pagoda_cuda.ops.linear import skinny_linear
+    from pagoda_cuda.switches import MAX_SKINNY_ROWS
 
     with pytest.raises(ValueError, match="at most 16 rows"):
-        skinny_linear(torch.zeros(MAX_ROWS + 1, 8, device=device), torch.zeros(4, 8, device=device))
+        skinny_linear(torch.zeros(MAX_SKINNY_ROWS + 1, 8, device=device), torch.zeros(4, 8, device=device))
 
 
 def test_the_op_takes_the_kernel_up_to_the_configured_rows(device, monkeypatch):

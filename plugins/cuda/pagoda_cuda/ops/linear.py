@@ -22,7 +22,6 @@ import triton.language as tl
 from pagoda_cuda._triton import interpreting, pdl, sm_count, wait_for_inputs
 from pagoda_cuda.switches import MAX_SKINNY_ROWS, lenient, skinny_rows
 
-MAX_ROWS = MAX_SKINNY_ROWS  # the kernel pads its rows to 16 (one tensor-core tile)
 SKINNY_ROWS = lenient(skinny_rows, 0)  # up to this many rows the Triton kernel runs; above, torch's linear
 
 
@@ -92,8 +91,8 @@ def skinny_config(n: int, k: int, programs: int = 132) -> tuple[int, int, int, i
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   config: tuple[int, int, int, int] | None = None, prefetch: bool | None = None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N] in x's dtype, for at most MAX_ROWS rows.
-    ``prefetch`` (default: under programmatic dependent launch) loads the leading weight columns before the
+    """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N] in x's dtype, for at most MAX_SKINNY_ROWS rows
+    (16: the kernel pads its rows to one tensor-core tile). ``prefetch`` (default: under programmatic dependent launch) loads the leading weight columns before the
     kernel waits for its inputs."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
@@ -102,8 +101,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     m, k = x2.shape
     n = w.shape[0]
-    if m > MAX_ROWS:
-        raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, not {m}")
+    if m > MAX_SKINNY_ROWS:
+        raise ValueError(f"skinny_linear takes at most {MAX_SKINNY_ROWS} rows, not {m}")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m:
         block_n, block_k, warps, stages = config or skinny_config(n, k, sm_count(x.device))
