@@ -92,8 +92,8 @@ def skinny_config(n: int, k: int, programs: int = 132) -> tuple[int, int, int, i
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   config: tuple[int, int, int, int] | None = None, prefetch: bool | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N] in x's dtype, for at most MAX_SKINNY_ROWS rows
-    (16: the kernel pads its rows to one tensor-core tile). ``prefetch`` (default: under programmatic dependent launch) loads the leading weight columns before the
-    kernel waits for its inputs."""
+    (16: the kernel pads its rows to one tensor-core tile). ``prefetch`` (default: under programmatic
+    dependent launch) loads the leading weight columns before the kernel waits for its inputs."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
