@@ -15,19 +15,19 @@ import time
 from collections import defaultdict
 
 from pagoda.cli.main import main as pagoda_main
-from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.model_runner import ModelRunner
 from pagoda.engine.pipeline import StepPipeline
 from pagoda.engine.request_controls import RequestControls
 from pagoda.engine.sampler import Sampler
 from pagoda.engine.scheduler import Scheduler
+from pagoda.engine.step_completion import StepCompletion
 from pagoda.structured_outputs import masking
 from pagoda.structured_outputs.mask_ahead import MaskAhead
 
 TIMED = {Sampler: ["select_on_device", "_special", "_processed", "_noise"],
          StepPipeline: ["step", "_launcher", "_feed_index"],
          ModelRunner: ["launch_logits", "launch", "sample_launched", "collect_decode", "_pending_tokens"],
-         LLMEngine: ["_complete_step", "_detokenize", "_mark_scheduled"],
+         StepCompletion: ["complete", "_detokenize", "mark_scheduled"],
          MaskAhead: ["start", "take", "wait"],
          Scheduler: ["schedule", "advance", "commit"],
          RequestControls: ["advance"]}
@@ -60,7 +60,7 @@ def main() -> None:
                  "--output-len", "256", "--ignore-eos", "--repeats", "1", "--max-num-seqs", "64"]
                 + (["--load-format", "dummy"] if "dummy" in sys.argv[3:] else [])
                 + (["--structured-outputs", kind] if kind != "none" else []))
-    steps = calls["StepPipeline.step"] or calls["LLMEngine._complete_step"] or 1
+    steps = calls["StepPipeline.step"] or calls["StepCompletion.complete"] or 1
     print(f"--- {kind}: host time per engine step ({steps} steps), ms (calls per step)")
     for label in sorted(seconds, key=lambda k: -seconds[k]):
         print(f"{label:36s} {1e3 * seconds[label] / steps:8.3f}  ({calls[label] / steps:.2f})")

@@ -77,7 +77,7 @@ def _prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def _one_run(llm, prompts, params, loras=None) -> dict:
-    from pagoda.engine.llm_engine import StepTimes
+    from pagoda.engine.step_completion import StepTimes
 
     engine = llm.engine
     engine.times = StepTimes()

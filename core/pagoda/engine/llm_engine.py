@@ -5,12 +5,11 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagoda.config import EngineConfig
 from pagoda.engine.block_manager import BlockManager
-from pagoda.engine.detokenizer import Detokenizer, find_stop_string
+from pagoda.engine.detokenizer import Detokenizer
 from pagoda.engine.executor.tensor_parallel import create_executor
 from pagoda.engine.kv_groups import blocks_for_one_sequence
 from pagoda.engine.model_runner import ModelRunner
@@ -21,12 +20,13 @@ from pagoda.engine.request_controls import RequestControls
 from pagoda.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from pagoda.engine.sequence import Request, Sequence, SequenceStatus
 from pagoda.engine.step_budget import choose_step_budget
+from pagoda.engine.step_completion import StepCompletion, StepTimes
 from pagoda.errors import ConfigError, RequestError
 from pagoda.layers.rotary import rope_parameters_of, uses_sequence_length
 from pagoda.loader.model_loader import load_config
 from pagoda.loader.source import resolve_source
 from pagoda.multimodal.prompts import prompt_with_images
-from pagoda.outputs import CompletionOutput, ListView, RequestOutput
+from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.selection import select_platform
 from pagoda.speculative.decoder import create_speculative_decoder
@@ -37,16 +37,6 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger("pagoda")
-
-
-@dataclass
-class StepTimes:
-    schedule: float = 0.0
-    prefill: float = 0.0  # model time of steps that hold any prefill chunk
-    decode: float = 0.0  # model time of decode-only steps
-    postprocess: float = 0.0
-    steps: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -120,6 +110,7 @@ class LLMEngine:
         self._counter = itertools.count()
         self.mm_processor = self._multimodal_processor()  # None: a model that takes no images
         self.times = StepTimes()
+        self.completion = StepCompletion(self)  # a step's end, for every step driver
         self.pooling = None  # runner: pooling -> pagoda.pooling.engine.PoolingEngine (prefill-only steps)
         if config.runner == "pooling":
             from pagoda.pooling.engine import PoolingEngine
@@ -278,7 +269,7 @@ class LLMEngine:
         t1 = time.perf_counter()
         if out.is_empty:
             return []
-        self._mark_scheduled(out)
+        self.completion.mark_scheduled(out)
         if self.speculative is not None:
             outputs = self.speculative.step(out, finished_only, t0, t1)
             if outputs is not None:  # (None: nothing was drafted, a plain step)
@@ -287,60 +278,8 @@ class LLMEngine:
         if result.prompt_logprobs:
             self.controls.record_prompt_logprobs(self.requests, {it.seq.seq_id: it.seq for it in out.scheduled},
                                                  result.prompt_logprobs)
-        return self._complete_step(out, result.tokens, result.logprobs, finished_only, t0, t1, failed=result.failed)
-
-    def _mark_scheduled(self, out) -> None:
-        for item in out.scheduled[out.num_decodes:]:  # decodes were scheduled before, as prefills
-            m = self.requests[item.seq.request_id].metrics
-            if m.first_scheduled_time is None:
-                m.first_scheduled_time = time.time()
-                m.num_cached_tokens = item.seq.num_computed_tokens
-
-    def _complete_step(self, out, tokens: list[int], logprobs, finished_only: bool, t0: float,
-                       t1: float, advanced: bool = False,
-                       failed: dict[int, BaseException] | None = None) -> list[RequestOutput]:
-        """After the model ran ``out`` and sampled ``tokens``: update the sequences (only commit
-        the tokens when the scheduler already ``advanced`` past the step), build the outputs
-        and account the step's time (t0: start, t1: scheduled). ``failed``: sampling rows that
-        could not be sampled; their requests fail, the others of the step go on."""
-        t2 = time.perf_counter()
-        seqs = [it.seq for it in out.scheduled if it.sample]
-        sampled = {s.seq_id: tok for s, tok in zip(seqs, tokens)}
-        broken: dict[str, BaseException] = {seqs[row].request_id: exc for row, exc in (failed or {}).items()}
-        if logprobs is not None:
-            for seq, lp in zip(seqs, logprobs):
-                if lp is not None and seq.request_id not in broken:
-                    try:
-                        self._record_logprob(seq, sampled[seq.seq_id], lp)
-                    except Exception as exc:
-                        broken[seq.request_id] = exc
-        self.mask_ahead.wait()  # no matcher advances while a fill reads it
-        self.controls.advance(seqs, sampled, broken)
-        for rid, exc in broken.items():
-            self.fail_request(rid, exc)
-        if advanced:
-            touched = self.scheduler.commit(out, sampled, self.eos_token_ids)
-        else:
-            touched = self.scheduler.update(out, sampled, self.eos_token_ids)
-        for seq in self.controls.ended(touched):  # its grammar is complete
-            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
-        self.mask_ahead.start(seqs, broken)
-        outputs = self._process_outputs(touched, finished_only, failed=list(broken))
-        t3 = time.perf_counter()
-        tm = self.times
-        tm.steps += 1
-        tm.schedule += t1 - t0
-        if out.num_decodes == len(out.scheduled):
-            tm.decode += t2 - t1
-        else:
-            tm.prefill += t2 - t1
-        tm.postprocess += t3 - t2
-        return outputs
-
-    def _record_logprob(self, seq: Sequence, token: int, lp) -> None:
-        chosen, rank, top = lp
-        seq.cumulative_logprob += chosen
-        seq.logprobs.append(self.controls.logprob_entry(token, chosen, rank, top))
+        return self.completion.complete(out, result.tokens, result.logprobs, finished_only, t0, t1,
+                                        failed=result.failed)
 
     def fail_request(self, request_id: str, error: BaseException) -> None:
         """End a request that failed inside a step (a row that could not be sampled, decoded or
@@ -355,80 +294,6 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
-
-    def _detokenize(self, seqs: list[Sequence]) -> list[str]:
-        """Text deltas of ``seqs``, in one tokenizer call; if that call fails, one sequence at a
-        time, failing only the requests whose tokens cannot be decoded."""
-        try:
-            return self.detokenizer.step(seqs)
-        except Exception:
-            deltas = []
-            for seq in seqs:
-                try:
-                    deltas.append(self.detokenizer.step([seq])[0])
-                except Exception as exc:
-                    self.fail_request(seq.request_id, exc)
-                    deltas.append("")
-            return deltas
-
-    def _process_outputs(self, touched: list[Sequence], finished_only: bool = False,
-                         failed: list[str] = ()) -> list[RequestOutput]:
-        """Outputs of the requests whose sequences got a token (``touched``) or failed this step."""
-        if self.detokenizer is not None:
-            live = [s for s in touched if s.params.detokenize]
-            deltas = self._detokenize(live)
-            for seq, delta in zip(live, deltas):
-                if seq.status is SequenceStatus.FINISHED_ERROR:
-                    continue
-                stop = find_stop_string(seq, delta)
-                if stop is not None:
-                    seq.stop_reason = stop
-                    if seq.status is SequenceStatus.RUNNING:
-                        self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
-                    else:
-                        seq.status = SequenceStatus.FINISHED_STOPPED
-        if finished_only:  # only finished requests, and first tokens (metrics), need a look
-            running = SequenceStatus.RUNNING
-            touched = [s for s in touched
-                       if s.status is not running or len(s.token_ids) - len(s.prompt_token_ids) == 1]
-        now = time.time()
-        outputs = []
-        for rid in dict.fromkeys([*failed, *(s.request_id for s in touched)]):
-            request = self.requests.get(rid)
-            if request is None:  # failed, then touched: already reported above
-                continue
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            finished = request.finished
-            if finished:
-                request.metrics.finished_time = now
-                del self.requests[rid]
-                for seq in request.seqs:
-                    self.runner.forget(seq.seq_id)
-            if finished or not finished_only:
-                outputs.append(self.make_output(request, finished))
-        return outputs
-
-    def make_output(self, request: Request, finished: bool) -> RequestOutput:
-        """The request's cumulative output. Unfinished (streamed every step), its token ids and logprobs are
-        ``ListView``s of the sequences' own lists, which only grow past them: a copy of every token per step
-        cost a stream O(its length) each step."""
-        completions = []
-        for seq in request.seqs:
-            logprobs = seq.logprobs
-            if finished:
-                token_ids, logprobs = seq.output_token_ids, list(logprobs) if logprobs is not None else None
-            else:
-                token_ids = ListView(seq.token_ids, seq.num_prompt_tokens, seq.num_tokens)
-                logprobs = ListView(logprobs, 0, len(logprobs)) if logprobs is not None else None
-            completions.append(CompletionOutput(
-                index=seq.index, text=seq.text, token_ids=token_ids,
-                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                logprobs=logprobs, finish_reason=seq.finish_reason(), stop_reason=seq.stop_reason))
-        prompt_logprobs = None if request.prompt_logprobs is None else list(request.prompt_logprobs)
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                             finished, request.metrics, request.metrics.num_cached_tokens, error=request.error,
-                             prompt_logprobs=prompt_logprobs)
 
     def enable_step_pipeline(self) -> None:
         """Pipeline offline steps on a device that does not do it by default (tests on a CPU,

@@ -119,7 +119,7 @@ class StepPipeline:
         nxt = sched.schedule()
         if nxt.is_empty:
             return None
-        self.engine._mark_scheduled(nxt)
+        self.engine.completion.mark_scheduled(nxt)
         return nxt, launcher
 
     def step(self, finished_only: bool) -> list | None:
@@ -137,7 +137,7 @@ class StepPipeline:
             t1 = time.perf_counter()
             if out.is_empty:
                 return []
-            eng._mark_scheduled(out)
+            eng.completion.mark_scheduled(out)
             pending = self._sampled(self._launch(launcher, out))
             sched.advance(out)
             nxt = self._schedule_ahead(ahead_ok)
@@ -167,7 +167,8 @@ class StepPipeline:
             ahead = (nxt, self._launch(launcher, nxt, feed, staged))
             self.launched_ahead += 1
         tokens = runner.collect_decode(pending)
-        outputs = eng._complete_step(out, tokens, None, finished_only, t0, t1, advanced=True, failed=pending.failed)
+        outputs = eng.completion.complete(out, tokens, None, finished_only, t0, t1, advanced=True,
+                                          failed=pending.failed)
         if ahead is not None:
             sched.advance(ahead[0])
             self.pending = ahead

@@ -100,7 +100,7 @@ class PoolingEngine:
             return []
         for seq in out.preempted:  # recomputed from its first token: its pooling starts over
             self.states.pop(seq.seq_id, None)
-        engine._mark_scheduled(out)
+        engine.completion.mark_scheduled(out)
         hidden, starts = forward_hidden(engine.runner, out)
         done: list[Sequence] = []
         pooler = self.pooler

@@ -154,7 +154,7 @@ class SpeculativeDecoder:
         if prompt:
             engine.controls.record_prompt_logprobs(engine.requests, {it.seq.seq_id: it.seq for it in vout.scheduled},
                                                    prompt)
-        outputs = engine._complete_step(vout, tokens, logprobs, finished_only, t0, t1, failed=failed)
+        outputs = engine.completion.complete(vout, tokens, logprobs, finished_only, t0, t1, failed=failed)
         engine.scheduler.stats.num_generated_tokens += sum(kept_drafts.values())
         bm = engine.block_manager
         for it in spec:
