@@ -207,7 +207,7 @@ class DecodeGraphs:
         graph = self.graphs[bucket]
         graph.replay()
         if self.contexts[bucket].expert_counts:
-            self.runner._accumulate_experts(self.contexts[bucket])
+            self.runner.add_expert_counts(self.contexts[bucket])
         return graph.output[:n]
 
     def capture(self) -> None:

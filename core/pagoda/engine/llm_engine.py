@@ -194,7 +194,7 @@ class LLMEngine:
 
             check_lora_request(self, lora_request)
         if request_id is None:
-            request_id = f"req-{next(self._counter)}"
+            request_id = self.new_request_id()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use", field="request_id")
         text = prompt if isinstance(prompt, str) else None
@@ -219,6 +219,10 @@ class LLMEngine:
             seq.lora_request = lora_request
             self.scheduler.add(seq)
         return request_id
+
+    def new_request_id(self) -> str:
+        """A request id no other request of this engine was given by default ("req-N")."""
+        return f"req-{next(self._counter)}"
 
     def load_lora(self, request) -> None:
         """Load a LoRA adapter (``pagoda.lora.LoRARequest``) ahead of its requests (the server's

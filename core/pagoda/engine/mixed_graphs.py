@@ -203,7 +203,7 @@ class MixedGraphs:
         self.replays += 1
         ctx = self.contexts[bucket]
         if ctx.expert_counts:
-            self.runner._accumulate_experts(ctx)
+            self.runner.add_expert_counts(ctx)
         return self.runner.model.compute_logits(graph.output.index_select(0, self.dev_sample[:k]))
 
     def run(self, out: SchedulerOutput) -> torch.Tensor:

@@ -194,7 +194,10 @@ class ModelRunner:
         return self.num_blocks
 
     # ------------------------------------------------------------------ execution
-    def _inputs(self, out: SchedulerOutput) -> StepInputs:
+    # The pieces of an eager step, public for the other step drivers (speculative decoding, pooling, graphs):
+    # inputs from a scheduled step, the forward context over them, the MoE layers' expert counts after.
+    def step_inputs(self, out: SchedulerOutput) -> StepInputs:
+        """``out``'s flat batch on the device (images and LoRA mappings included)."""
         inputs = build_step_inputs(out, self.config.block_size, self.device, num_groups=self.kv_layout.num_groups)
         if self.multimodal is not None:  # 3-D positions, image rows (running the encoder for new images)
             self.multimodal.prepare(out, inputs)
@@ -202,11 +205,13 @@ class ModelRunner:
             inputs.lora = self.lora.mapping(out)
         return inputs
 
-    def _context(self, inputs: StepInputs) -> ForwardContext:
+    def forward_context(self, inputs: StepInputs) -> ForwardContext:
+        """The attention backends' metadata for ``inputs`` (``set_forward_context`` around the model)."""
         return prepared_context(inputs.meta, self.backends, token_seq_lens=inputs.token_seq_lens,
                                 group_tables=inputs.group_tables, lora=inputs.lora)
 
-    def _accumulate_experts(self, ctx: ForwardContext) -> None:
+    def add_expert_counts(self, ctx: ForwardContext) -> None:
+        """Add the tokens per expert a forward under ``ctx`` routed to ``expert_counts`` (MoE models)."""
         found = ctx.expert_counts
         if not found:
             return
@@ -227,7 +232,7 @@ class ModelRunner:
             logits = self.mixed_graphs.run(out)
             seqs = [it.seq for it in out.scheduled if it.sample]
         else:
-            inputs = self._inputs(out)
+            inputs = self.step_inputs(out)
             logits, prompt = self._forward(inputs, prompt_logprobs_of=out)
             seqs = inputs.sample_seqs
             if prompt:
@@ -243,16 +248,16 @@ class ModelRunner:
         """The one eager forward of every step form: (logits of the sampling rows, or of every row with
         ``all_rows``; the prompt logprobs of ``prompt_logprobs_of``'s sequences that want them). The
         experts' token counts of MoE layers are accumulated unless ``count_experts`` is False (scoring)."""
-        ctx = self._context(inputs)
+        ctx = self.forward_context(inputs)
         with set_forward_context(ctx):
             hidden = self.model(inputs.input_ids, inputs.positions, **inputs.model_kwargs)
             logits = self.model.compute_logits(hidden if all_rows else hidden.index_select(0, inputs.sample_indices))
-            prompt = {} if prompt_logprobs_of is None else self._prompt_logprobs(prompt_logprobs_of, inputs, hidden)
+            prompt = {} if prompt_logprobs_of is None else self.prompt_logprobs(prompt_logprobs_of, inputs, hidden)
         if count_experts:
-            self._accumulate_experts(ctx)
+            self.add_expert_counts(ctx)
         return logits, prompt
 
-    def _prompt_logprobs(self, out: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor) -> dict[int, list]:
+    def prompt_logprobs(self, out: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor) -> dict[int, list]:
         """Prompt logprobs of the sequences that want them, over the prompt positions this step
         computes: logits in slices of PROMPT_LOGITS_ROWS rows (a long prompt's [T, vocab] at once
         would not fit), each rank computing the same slices (the logits are a collective)."""
@@ -309,7 +314,7 @@ class ModelRunner:
             return "graph", self.graphs.stage(out)
         if self.mixed_graphs is not None and self.mixed_graphs.can_run(out):
             return "mixed", self.mixed_graphs.stage(out)
-        return "eager", self._inputs(out)
+        return "eager", self.step_inputs(out)
 
     def _launch_forward(self, out: SchedulerOutput, feed, staged=None) -> tuple[torch.Tensor, list]:
         """(logits whose first rows are the sampling rows', the sampling sequences) of a launched step."""
@@ -349,7 +354,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_all_logits(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits of every scheduled token (tests and scoring): [T, vocab] float32."""
-        return self._forward(self._inputs(out), all_rows=True, count_experts=False)[0].float()
+        return self._forward(self.step_inputs(out), all_rows=True, count_experts=False)[0].float()
 
     def forget(self, seq_id: int) -> None:
         """A sequence finished or was aborted: drop its per-sequence state."""

@@ -171,11 +171,11 @@ class PoolingEngine:
 def forward_hidden(runner, out) -> tuple[torch.Tensor, list[int]]:
     """Hidden states [T, H] (after the final norm) of every scheduled token, and the first row of
     each scheduled sequence."""
-    inputs = runner._inputs(out)
-    ctx = runner._context(inputs)
+    inputs = runner.step_inputs(out)
+    ctx = runner.forward_context(inputs)
     with set_forward_context(ctx):
         hidden = runner.model(inputs.input_ids, inputs.positions)
-    runner._accumulate_experts(ctx)
+    runner.add_expert_counts(ctx)
     starts = [int(x) for x in inputs.meta.query_start_loc_cpu[: len(out.scheduled)]]
     return hidden, starts
 
@@ -208,5 +208,5 @@ def add_pooling_request(engine, request_id, prompt, params, prompt_token_ids, ar
     if engine.pooling is None:
         refuse_pooling_on_a_generator()
     if request_id is None:
-        request_id = f"req-{next(engine._counter)}"
+        request_id = engine.new_request_id()
     return engine.pooling.add_request(request_id, prompt, params, prompt_token_ids, arrival_time)

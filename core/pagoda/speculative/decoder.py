@@ -223,7 +223,7 @@ class SpeculativeDecoder:
         verified sequence, the last one of the others); rows[j]: the logits rows of sampling
         item j; the step's prompt logprobs; the hidden states [T, H] and each item's first row."""
         runner = self.engine.runner
-        inputs = runner._inputs(vout)
+        inputs = runner.step_inputs(vout)
         qsl = inputs.meta.query_start_loc_cpu
         flat, rows = [], []
         for i, it in enumerate(vout.scheduled):
@@ -232,13 +232,13 @@ class SpeculativeDecoder:
             positions = range(qsl[i], qsl[i + 1]) if it.seq.seq_id in drafts else [qsl[i + 1] - 1]
             rows.append(list(range(len(flat), len(flat) + len(positions))))
             flat.extend(positions)
-        ctx = runner._context(inputs)
+        ctx = runner.forward_context(inputs)
         with set_forward_context(ctx):
             hidden = runner.model(inputs.input_ids, inputs.positions)
             logits = runner.model.compute_logits(hidden.index_select(0, torch.tensor(flat, dtype=torch.long,
                                                                                      device=hidden.device)))
-            prompt = runner._prompt_logprobs(vout, inputs, hidden)
-        runner._accumulate_experts(ctx)
+            prompt = runner.prompt_logprobs(vout, inputs, hidden)
+        runner.add_expert_counts(ctx)
         return logits, rows, prompt, hidden, qsl
 
     def _accept(self, seq: Sequence, logits: torch.Tensor, drafts: list[int], q) -> tuple[list[int], int]:

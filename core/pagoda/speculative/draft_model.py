@@ -182,7 +182,7 @@ class DraftModelProposer:
         runner = self.runner
         if runner.graphs is not None and runner.graphs.can_run(out):
             return runner.graphs.run(out)
-        inputs = runner._inputs(out)
-        with set_forward_context(runner._context(inputs)):
+        inputs = runner.step_inputs(out)
+        with set_forward_context(runner.forward_context(inputs)):
             hidden = runner.model(inputs.input_ids, inputs.positions)
             return runner.model.compute_logits(hidden.index_select(0, inputs.sample_indices))

@@ -168,10 +168,10 @@ class MTPProposer(DraftModelProposer):
     def _forward_mtp(self, out: SchedulerOutput, previous_hidden: torch.Tensor):
         """(output hidden, logits) at the last scheduled token of each shadow of ``out``."""
         runner = self.runner
-        inputs = runner._inputs(out)
+        inputs = runner.step_inputs(out)
         runner.model.previous_hidden = previous_hidden
         try:
-            with set_forward_context(runner._context(inputs)):
+            with set_forward_context(runner.forward_context(inputs)):
                 hidden = runner.model(inputs.input_ids, inputs.positions).index_select(0, inputs.sample_indices)
                 return hidden, runner.model.compute_logits(hidden)
         finally:

@@ -65,9 +65,9 @@ def forward_as_decodes(runner, vout: SchedulerOutput, drafts: dict[int, list[int
         return None
     inputs = build_step_inputs(rows_out, runner.config.block_size, runner.device,
                                num_groups=runner.kv_layout.num_groups)
-    ctx = runner._context(inputs)
+    ctx = runner.forward_context(inputs)
     with set_forward_context(ctx):
         hidden = runner.model(inputs.input_ids, inputs.positions)
         logits = runner.model.compute_logits(hidden)
-    runner._accumulate_experts(ctx)
+    runner.add_expert_counts(ctx)
     return logits, rows
