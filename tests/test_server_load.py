@@ -225,6 +225,10 @@ def test_bench_serve_structured_outputs_mode_reports_the_mask_cost(server, capsy
     assert len(rep["pair_ratios"]) == 2 and min(rep["pair_ratios"]) <= rep["ratio_to_unconstrained"] <= \
         max(rep["pair_ratios"])  # the median of the interleaved pairs
     assert rep["unconstrained"]["completed"] == 6 and rep["unconstrained"]["output_tokens"] == 72
+    # every pair's rates, the last pair's as the report's own
+    assert len(rep["pair_rates"]) == 2 and rep["pair_rates"][-1] == [rep["unconstrained"]["output_tokens_per_s"],
+                                                                     rep["output_tokens_per_s"]]
+    assert [round(c / u, 4) for u, c in rep["pair_rates"]] == rep["pair_ratios"]
     assert rep["ratio_to_unconstrained"] > 0
     mask = rep["grammar_mask"]  # every constrained token had its row masked
     assert mask["rows"] == rep["output_tokens"] and mask["seconds"] > 0 and mask["ms_per_step"] > 0

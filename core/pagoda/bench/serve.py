@@ -390,6 +390,9 @@ def run(args) -> int:
         rep["unconstrained"] = reports[-2]
         rep["ratio_to_unconstrained"] = round(statistics.median(ratios), 4)
         rep["pair_ratios"] = [round(r, 4) for r in ratios]
+        # every pair's rates (the top-level report and "unconstrained" are the last pair's runs)
+        rep["pair_rates"] = [[u["output_tokens_per_s"], c["output_tokens_per_s"]]
+                             for u, c in zip(reports[0::2], reports[1::2])]
     if args.json:
         print(json.dumps(rep, indent=2))
     else:
