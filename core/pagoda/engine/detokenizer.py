@@ -3,8 +3,7 @@
 Each sequence keeps two offsets into its token ids: text up to ``read_offset`` is final,
 and decoding restarts at ``prefix_offset`` (a few tokens earlier) so that tokenizers
 whose pieces depend on their left neighbour (SentencePiece spaces, multi-byte characters
-split over tokens) produce the right delta. All sequences of a step are decoded in one
-call of the Rust tokenizer.
+split over tokens) produce the right delta. Each window is one call of the Rust tokenizer.
 """
 
 from __future__ import annotations
@@ -20,9 +19,13 @@ class Detokenizer:
         self.backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
 
     def _decode_batch(self, batch: list[list[int]], skip_special: bool) -> list[str]:
-        if self.backend is not None:
-            return self.backend.decode_batch(batch, skip_special_tokens=skip_special)
-        return [self.tokenizer.decode(ids, skip_special_tokens=skip_special) for ids in batch]
+        # One Rust call per window rather than the tokenizers' ``decode_batch``: a step's windows are a few
+        # tokens each, and decode_batch hands them to its thread pool (unless TOKENIZERS_PARALLELISM=false),
+        # whose threads then compete with the engine's. 2-core development CPU: 128 windows 112 against 130
+        # us; the engine's offline step at batch 64 (scripts/host_step_cost.py) 3.35-3.43 ms against 3.56-3.57
+        # with decode_batch on its pool (3.32-3.35 with the pool off, as every GPU measurement ran).
+        decode = (self.backend or self.tokenizer).decode
+        return [decode(ids, skip_special_tokens=skip_special) for ids in batch]
 
     def step(self, seqs: list[Sequence]) -> list[str]:
         """Append each sequence's newly readable text to ``seq.text``; return the deltas."""
