@@ -5,8 +5,9 @@ faster than the host. Prints ms per step per batch size, streamed (the server's 
 offline; unconstrained with a 512-id vocabulary (the sampling ops, device work on a GPU, then cost little
 here), and with CONSTRAINED="0 1" also under the JSON schema of ``pagoda bench serve`` (xgrammar, SmolLM2's
 tokenizer from .whl/smollm2-tokenizer: a 49,152-id vocabulary, whose sampling and mask ops on the CPU then
-count as host time too). PROFILE=1: the top functions of a cProfile of the streamed runs. Timings compare
-within one run only.
+count as host time too). BIG_VOCAB=1: the unconstrained runs on the 49,152-id model too (so that the two
+modes differ by the grammar's work only). PROFILE=1: the top functions of a cProfile of the streamed runs.
+Timings compare within one run only.
 
     TRITON_INTERPRET=1 OMP_NUM_THREADS=1 python scripts/host_step_cost.py [BATCH ...]
 """
@@ -48,11 +49,14 @@ class StillPlatform(CpuPlatform):
 get_registry().platforms.entries["cpu"].obj = StillPlatform()
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, max_position_embeddings=4096)
-paths = {False: make_tiny_checkpoint("qwen3", tempfile.mkdtemp(), seed=1, vocab_size=512, **TINY)}
-if "1" in os.environ.get("CONSTRAINED", "0"):
+BIG_VOCAB = os.environ.get("BIG_VOCAB") == "1"
+paths = {} if BIG_VOCAB else {False: make_tiny_checkpoint("qwen3", tempfile.mkdtemp(), seed=1, vocab_size=512, **TINY)}
+if "1" in os.environ.get("CONSTRAINED", "0") or BIG_VOCAB:
     paths[True] = make_tiny_checkpoint("qwen3", tempfile.mkdtemp(), seed=1, vocab_size=49152, **TINY)
     for f in os.listdir(".whl/smollm2-tokenizer"):
         shutil.copy(os.path.join(".whl/smollm2-tokenizer", f), paths[True] / f)
+if BIG_VOCAB:
+    paths[False] = paths[True]
 batches = [int(b) for b in sys.argv[1:]] or [1, 64]
 
 
