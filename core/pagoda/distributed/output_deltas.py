@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagoda.engine.sequence import Request, Sequence
+from pagoda.engine.step_completion import request_output
 from pagoda.outputs import CompletionOutput, ListView, RequestMetrics, RequestOutput
 from pagoda.pooling.outputs import PoolingOutput, PoolingRequestOutput
 
@@ -41,6 +43,11 @@ def is_delta(item: Any) -> bool:
     return isinstance(item, tuple) and item[:1] == (DELTA,)
 
 
+def is_finished(item: Any) -> bool:
+    """Whether an output the engine returned (a delta or a whole output) is its request's last."""
+    return item[2] if is_delta(item) else item.finished
+
+
 @dataclass
 class _Sent:
     """What the front holds of one completion."""
@@ -57,8 +64,29 @@ class OutputSender:
     def __init__(self) -> None:
         self._sent: dict[str, tuple[dict[int, _Sent], bool]] = {}  # request id -> (per completion, prompt logprobs)
 
-    def encode(self, outputs: list[RequestOutput]) -> list:
-        return [self._encode(out) for out in outputs]
+    def encode(self, outputs: list) -> list:
+        """What to send for a step's outputs; deltas ``output_of`` made already pass as they are."""
+        return [out if is_delta(out) else self._encode(out) for out in outputs]
+
+    def output_of(self, request: Request, finished: bool):
+        """The engine's output of ``request`` this step (``StepCompletion.build_output``): its delta, made from
+        its sequences, once its first output was sent whole; else the whole output (``encode`` records it).
+        The same delta ``encode`` would make of the cumulative output, without building that output (a
+        RequestOutput, a CompletionOutput and two list views per stream and step) only to diff it."""
+        known = self._sent.pop(request.request_id, None)
+        if known is None:
+            return request_output(request, finished)
+        sent, had_prompt_logprobs = known
+        completions = tuple(_sequence_delta(seq, sent.get(seq.index)) for seq in request.seqs)
+        if not finished:
+            self._sent[request.request_id] = ({seq.index: _recorded(seq) for seq in request.seqs},
+                                              request.prompt_logprobs is not None)
+        metrics = request.metrics
+        prompt_logprobs = request.prompt_logprobs
+        return (DELTA, request.request_id, finished, completions,
+                None if metrics is None else tuple(getattr(metrics, f) for f in _METRICS), metrics.num_cached_tokens,
+                None, request.error,
+                None if had_prompt_logprobs or prompt_logprobs is None else list(prompt_logprobs))
 
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -92,6 +120,30 @@ def _pooled(out: PoolingRequestOutput) -> PoolingRequestOutput:
 def _record(c: CompletionOutput) -> _Sent:
     return _Sent(len(c.token_ids), c.token_ids[-1] if c.token_ids else None, c.text,
                  len(c.logprobs) if c.logprobs is not None else 0)
+
+
+def _recorded(seq: Sequence) -> _Sent:
+    """``_record`` of the completion ``seq`` stands for."""
+    n = seq.num_tokens - seq.num_prompt_tokens
+    return _Sent(n, seq.token_ids[seq.num_tokens - 1] if n else None, seq.text,
+                 len(seq.logprobs) if seq.logprobs is not None else 0)
+
+
+def _sequence_delta(seq: Sequence, sent: _Sent | None) -> tuple:
+    """``_delta`` of the completion ``seq`` stands for, read from the sequence."""
+    first, end = seq.num_prompt_tokens, seq.num_tokens
+    ids, logprobs, text = seq.token_ids, seq.logprobs, seq.text
+    start = 0
+    if sent is not None and end - first >= sent.tokens and (sent.tokens == 0 or ids[first + sent.tokens - 1]
+                                                             == sent.last_token):
+        start = sent.tokens
+    keep = 0
+    if sent is not None:
+        keep = len(sent.text) if text.startswith(sent.text) else len(os.path.commonprefix([sent.text, text]))
+    lp_start = sent.logprobs if sent is not None and logprobs is not None and len(logprobs) >= sent.logprobs else 0
+    return (seq.index, start, ids[first + start:end], keep, text[keep:], lp_start,
+            logprobs[lp_start:] if logprobs is not None else None,
+            seq.cumulative_logprob if logprobs is not None else None, seq.finish_reason(), seq.stop_reason)
 
 
 def _delta(c: CompletionOutput, sent: _Sent | None) -> tuple:

@@ -42,6 +42,9 @@ class StepTimes:
 class StepCompletion:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
+        # (request, finished) -> what the step returns for it: the cumulative RequestOutput, or in an engine
+        # process the delta its front needs (``OutputSender.output_of``: no output built only to be diffed)
+        self.build_output = request_output
 
     def mark_scheduled(self, out: SchedulerOutput) -> None:
         """Before the model runs ``out``: the first time a request is scheduled (and its cached tokens)."""
@@ -154,7 +157,7 @@ class StepCompletion:
                 for seq in request.seqs:
                     engine.runner.forget(seq.seq_id)
             if finished or not finished_only:
-                outputs.append(request_output(request, finished))
+                outputs.append(self.build_output(request, finished))
         return outputs
 
 
