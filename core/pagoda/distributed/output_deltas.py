@@ -137,13 +137,18 @@ def _sequence_delta(seq: Sequence, sent: _Sent | None) -> tuple:
     if sent is not None and end - first >= sent.tokens and (sent.tokens == 0 or ids[first + sent.tokens - 1]
                                                              == sent.last_token):
         start = sent.tokens
-    keep = 0
-    if sent is not None:
-        keep = len(sent.text) if text.startswith(sent.text) else len(os.path.commonprefix([sent.text, text]))
-    lp_start = sent.logprobs if sent is not None and logprobs is not None and len(logprobs) >= sent.logprobs else 0
+    keep, lp_start = _kept(sent, text, logprobs)
     return (seq.index, start, ids[first + start:end], keep, text[keep:], lp_start,
             logprobs[lp_start:] if logprobs is not None else None,
             seq.cumulative_logprob if logprobs is not None else None, seq.finish_reason(), seq.stop_reason)
+
+
+def _kept(sent: _Sent | None, text: str, logprobs) -> tuple[int, int]:
+    """(characters of the text sent before that still stand, logprobs sent before that stay)."""
+    if sent is None:
+        return 0, 0
+    keep = len(sent.text) if text.startswith(sent.text) else len(os.path.commonprefix([sent.text, text]))
+    return keep, sent.logprobs if logprobs is not None and len(logprobs) >= sent.logprobs else 0
 
 
 def _delta(c: CompletionOutput, sent: _Sent | None) -> tuple:
@@ -151,10 +156,7 @@ def _delta(c: CompletionOutput, sent: _Sent | None) -> tuple:
     start = 0
     if sent is not None and len(ids) >= sent.tokens and (sent.tokens == 0 or ids[sent.tokens - 1] == sent.last_token):
         start = sent.tokens  # the tokens only grow (checked at the last one sent)
-    keep = 0
-    if sent is not None:
-        keep = len(sent.text) if c.text.startswith(sent.text) else len(os.path.commonprefix([sent.text, c.text]))
-    lp_start = sent.logprobs if sent is not None and logprobs is not None and len(logprobs) >= sent.logprobs else 0
+    keep, lp_start = _kept(sent, c.text, logprobs)
     return (c.index, start, ids[start:], keep, c.text[keep:], lp_start,
             logprobs[lp_start:] if logprobs is not None else None, c.cumulative_logprob, c.finish_reason,
             c.stop_reason)
