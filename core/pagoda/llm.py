@@ -63,17 +63,11 @@ class LLM:
         loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"{len(loras)} lora_requests for {len(prompts)} prompts")
-        ids = []
-        try:
-            from pagoda.multimodal.prompts import prepare_prompts
+        from pagoda.multimodal.prompts import prepare_prompts
 
-            for (prompt, kwargs), p, lora in zip(prepare_prompts(self.engine, prompts), params, loras):
-                ids.append(self.engine.add_request(f"llm-{next(self._ids)}", prompt, p, lora_request=lora,
-                                                   **kwargs))
-        except Exception:
-            self.engine.abort_request(ids)
-            raise
-        return self._run(ids, use_tqdm)
+        requests = ((prompt, p, {"lora_request": lora, **kwargs})
+                    for (prompt, kwargs), p, lora in zip(prepare_prompts(self.engine, prompts), params, loras))
+        return self.run_requests(requests, use_tqdm=use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              add_generation_prompt: bool = True, use_tqdm: bool = False,
@@ -88,6 +82,20 @@ class LLM:
         # token ids, or {"prompt_token_ids", "multi_modal_data"} when a conversation has images
         prompts = [chat_prompt(self.engine, conv, render) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+    def run_requests(self, requests, use_tqdm: bool = False, prefix: str = "llm") -> list:
+        """Add each ``(prompt, params, keyword arguments of engine.add_request)`` of ``requests`` as request
+        ``{prefix}-N``, then step the engine until all have finished: their outputs, in order (the generation
+        and pooling calls share it). If one cannot be added, those added before it are aborted and the error
+        is raised."""
+        ids: list[str] = []
+        try:
+            for prompt, params, kwargs in requests:
+                ids.append(self.engine.add_request(f"{prefix}-{next(self._ids)}", prompt, params, **kwargs))
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool = False) -> list[RequestOutput]:
         wanted = set(ids)

@@ -54,14 +54,7 @@ def encode(llm, prompts, params: PoolingParams | list[PoolingParams]) -> list[Po
     if engine.pooling is None:
         raise RequestError("LLM(..., runner='pooling') computes embeddings and scores; this LLM generates text",
                            field="runner", code="unsupported_task")
-    ids = []
-    try:
-        for prompt, p in zip(prompts, params):
-            ids.append(engine.add_request(f"pool-{next(llm._ids)}", prompt, p))
-    except Exception:
-        engine.abort_request(ids)
-        raise
-    outputs = llm._run(ids)
+    outputs = llm.run_requests(((prompt, p, {}) for prompt, p in zip(prompts, params)), prefix="pool")
     failed = next((o for o in outputs if o.error), None)
     if failed is not None:
         raise RuntimeError(f"request {failed.request_id} failed: {failed.error}")
