@@ -6,14 +6,14 @@ import asyncio
 import pytest
 from pagoda import SamplingParams
 from pagoda.config import EngineConfig
-from pagoda.engine.async_engine import (
-    AsyncEngine,
+from pagoda.engine.async_engine import AsyncEngine
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.engine.request_stream import (
     EngineStoppedError,
     QueueFullError,
     RequestAbortedError,
     RequestTimeoutError,
 )
-from pagoda.engine.llm_engine import LLMEngine
 from pagoda.errors import RequestError
 from pagoda.testing import make_tiny_checkpoint
 

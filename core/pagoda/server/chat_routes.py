@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from pagoda.engine.async_engine import RequestStream
+from pagoda.engine.request_stream import RequestStream
 from pagoda.server.chat_output import ChatOutput
 from pagoda.server.chat_protocol import ChatCompletionRequest
 from pagoda.server.errors import APIError, bad_request

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagoda.engine.async_engine import (
+from pagoda.engine.request_stream import (
     EngineFailedError,
     EngineStoppedError,
     QueueFullError,

@@ -14,8 +14,9 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from pagoda.engine.async_engine import AsyncEngine, RequestStream, RequestTimeoutError
+from pagoda.engine.async_engine import AsyncEngine
 from pagoda.engine.prompt_ids import truncate_prompt_ids
+from pagoda.engine.request_stream import RequestStream, RequestTimeoutError
 from pagoda.errors import ModelLoadError, RequestError
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 import pagoda
-from pagoda.engine.async_engine import RequestStream
+from pagoda.engine.request_stream import RequestStream
 from pagoda.outputs import RequestOutput
 from pagoda.server.chat_output import ChatOutput
 from pagoda.server.errors import APIError, to_api_error

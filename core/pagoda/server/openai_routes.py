@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pagoda.engine.async_engine import RequestStream
+from pagoda.engine.request_stream import RequestStream
 from pagoda.outputs import RequestOutput
 from pagoda.server.errors import APIError, to_api_error
 from pagoda.server.formatting import (
