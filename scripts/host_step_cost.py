@@ -25,7 +25,7 @@ import tempfile
 import time
 
 from pagoda import SamplingParams, StructuredOutputsParams
-from pagoda.bench.serve import BENCH_SCHEMA
+from pagoda.bench.serve_client import BENCH_SCHEMA
 from pagoda.config import EngineConfig
 from pagoda.distributed.output_deltas import OutputSender
 from pagoda.engine.llm_engine import LLMEngine

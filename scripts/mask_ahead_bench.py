@@ -14,7 +14,7 @@ import time
 
 import torch
 import xgrammar as xgr
-from pagoda.bench.serve import BENCH_SCHEMA
+from pagoda.bench.serve_client import BENCH_SCHEMA
 from pagoda.structured_outputs.backends import _XGrammarMatcher, fill_bitmasks
 from pagoda.structured_outputs.mask_ahead import MaskAhead
 from transformers import AutoTokenizer

@@ -110,7 +110,7 @@ def _constraint(kind: str | None):
     """--structured-outputs: the grammar of ``pagoda bench serve``'s constrained requests."""
     if kind is None:
         return None
-    from pagoda.bench.serve import BENCH_CONSTRAINTS
+    from pagoda.bench.serve_client import BENCH_CONSTRAINTS
     from pagoda.structured_outputs import StructuredOutputsParams
 
     return StructuredOutputsParams(**BENCH_CONSTRAINTS[kind])
