@@ -71,7 +71,7 @@ class PackedCache:
         """The layer's segments as cached (planes mapped from the file), or None."""
         from pagoda_quant.kernels.cpu_int4pack import PackedPlane
         from pagoda_quant.kernels.cpu_int8dot import DotWeight
-        from pagoda_quant.methods.gguf import _Segment
+        from pagoda_quant.methods.gguf_cpu import _Segment
 
         entry = self.entries.get(name)
         if entry is None:
