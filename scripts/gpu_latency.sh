@@ -14,7 +14,7 @@
 # Settings: SHAPES="qwen3-0.6b phi3-mini" BATCHES="1 8" INPUT_LEN=512 OUTPUT_LEN=128 ITERS=3 RUN_TIMEOUT=100
 #   DEVICE=cuda DTYPE=bfloat16 BENCH_ARGS="" (extra arguments, e.g. --enforce-eager)
 #   SKIP_INSTALL=1 (use the pagoda already importable, e.g. a CPU check: DEVICE=cpu DTYPE=float32)
-#   VARIANTS="default PAGODA_CUDA_SKINNY_ROWS=16 PAGODA_CUDA_PDL=1 PAGODA_CUDA_SKINNY_ROWS=16,PAGODA_CUDA_PDL=1":
+#   VARIANTS="default PAGODA_CUDA_SKINNY_ROWS=0 PAGODA_CUDA_PDL=0 PAGODA_CUDA_PDL=0,PAGODA_CUDA_SKINNY_ROWS=16":
 #   each run once per variant (comma-separated VAR=VALUE settings, or "default"), interleaved, files named
 #   ...-v<i> (i from 1); default "default". The two switches of docs/cuda.md: pagoda-cuda's Triton product
 #   for a few rows, and programmatic dependent launch of the decode path's kernels

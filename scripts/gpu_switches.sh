@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# pagoda-cuda's switches that are off until measured (docs/cuda.md), measured in one call on one Hopper GPU
-# (nvidia-h200), within about 9 minutes: PAGODA_CUDA_SKINNY_ROWS (the product of a few rows) and PAGODA_CUDA_PDL
-# (programmatic dependent launch of the decode path's kernels and of the fused LoRA update).
+# pagoda-cuda's switches (docs/cuda.md; on by default since they were measured, nineteenth session), measured in
+# one call on one Hopper GPU (nvidia-h200), within about 7 minutes: PAGODA_CUDA_SKINNY_ROWS (the product of a
+# few rows) and PAGODA_CUDA_PDL (programmatic dependent launch of the decode path's kernels).
 #   1. their gpu-marked tests (bit-identical results with and without PDL, eagerly and from a graph; the
 #      product against torch at real shapes)
 #   2. scripts/skinny_linear_probe.py --quick: the product against cuBLAS per layer shape, with and without PDL
 #   3. scripts/gpu_latency.sh over the four combinations (qwen3-0.6b at batch 1 and 8, phi3-mini at batch 1)
 #   4. pagoda bench throughput --lora 16 and the base (Qwen3-0.6B shape, 64 prompts) without and with PDL
+#      (the LoRA update itself launches plainly: with PDL it was slower)
 # Each section under its own timeout; the tables last. Engines capture graphs up to 1,024 tokens
 # (--max-cudagraph-capture-size 1024: start-up without the timed large mixed buckets, which only the prefill
 # steps would use). Results in $OUT (default out/switches).
@@ -39,7 +40,8 @@ if has probe; then
 fi
 if has latency; then
   say "latency over the switches"
-  variants="default PAGODA_CUDA_SKINNY_ROWS=16 PAGODA_CUDA_PDL=1 PAGODA_CUDA_SKINNY_ROWS=16,PAGODA_CUDA_PDL=1"
+  # (the default since the nineteenth session: PDL on, the product to 16 rows; PDL=0 alone turns both off)
+  variants="default PAGODA_CUDA_SKINNY_ROWS=0 PAGODA_CUDA_PDL=0 PAGODA_CUDA_PDL=0,PAGODA_CUDA_SKINNY_ROWS=16"
   export BENCH_ARGS="--max-cudagraph-capture-size 1024"
   SKIP_INSTALL=1 OUT="$OUT/latency" SHAPES=qwen3-0.6b BATCHES="1 8" VARIANTS="$variants" ITERS=2 RUN_TIMEOUT=60 \
     timeout 240 bash scripts/gpu_latency.sh >/dev/null 2>&1 || say "latency (qwen3-0.6b) failed or timed out"

@@ -40,10 +40,10 @@ _PDL: dict[int, bool] = {}
 
 def pdl(device) -> bool:
     """Whether the decode path's kernels launch on ``device`` with programmatic dependent launch (PDL):
-    ``PAGODA_CUDA_PDL=1``, a GPU of compute capability 9.0 or later (Hopper), not the interpreter. Such
+    ``PAGODA_CUDA_PDL`` not 0, a GPU of compute capability 9.0 or later (Hopper), not the interpreter. Such
     a kernel is started while the kernel before it finishes (its launch and set-up overlap that kernel's
     tail; in a CUDA graph the dependency is a programmatic edge) and waits in ``wait_for_inputs`` before
-    it touches memory. Off until measured on a GPU (docs/cuda.md)."""
+    it touches memory. Measured faster on an H200 at batch 1 (docs/cuda.md, docs/benchmarks.md)."""
     if not PDL_REQUESTED or device.type != "cuda" or interpreting():
         return False
     import torch

@@ -58,12 +58,28 @@ def test_the_op_takes_the_kernel_up_to_the_configured_rows(device, monkeypatch):
     calls = []
     monkeypatch.setattr(mod, "skinny_linear", lambda x, w, b=None: calls.append(x.shape[0]) or torch.zeros(1))
     x8, x9, w = torch.zeros(8, 16, device=device), torch.zeros(9, 16, device=device), torch.zeros(4, 16, device=device)
-    monkeypatch.setattr(mod, "SKINNY_ROWS", 0)  # the default: torch's linear at every size
+    monkeypatch.setattr(mod, "SKINNY_ROWS", 0)  # off: torch's linear at every size
     mod.linear(x8, w)
     monkeypatch.setattr(mod, "SKINNY_ROWS", 8)
     mod.linear(x8, w)
     assert mod.linear(x9, w).shape == (9, 4)  # above the setting: torch's
     assert calls == [8]
+    monkeypatch.setattr(mod, "SKINNY_MAX_WEIGHT_BYTES", w.numel() * w.element_size() - 1)
+    mod.linear(x8, w)  # a weight above the bound: torch's (cuBLAS streamed large weights faster)
+    assert calls == [8]
+
+
+@pytest.mark.parametrize("pdl,rows,want", [(None, None, 16), ("0", None, 0), ("0", "4", 4), (None, "0", 0)])
+def test_the_default_rows_follow_programmatic_dependent_launch(monkeypatch, pdl, rows, want):
+    # measured together: the product of a few rows gains with PDL, and without it was no faster at batch 8
+    from pagoda_cuda import switches
+
+    for var, value in (("PAGODA_CUDA_PDL", pdl), ("PAGODA_CUDA_SKINNY_ROWS", rows)):
+        if value is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, value)
+    assert switches.skinny_rows() == want
 
 
 @pytest.mark.parametrize("raw", ["17", "-1", "many"])

@@ -8,9 +8,11 @@ for every row and walks the whole K, BLOCK_K at a time, with the loads of later 
 to 16 for the tensor cores (the products are free: the weight's bytes are the cost). float32
 accumulation; the result rounds to the input dtype as torch's. Larger M goes to torch (cuBLAS).
 
-Off until it is measured in the engine on a GPU: ``PAGODA_CUDA_SKINNY_ROWS=N`` (read at import) runs the kernel
-for products of at most N rows (at most 16); unset or 0, the ``linear`` op is torch's at every size.
-``scripts/skinny_linear_probe.py`` times it against cuBLAS at decode shapes.
+It runs for products of at most ``PAGODA_CUDA_SKINNY_ROWS`` rows (read at import; by default 16 where programmatic
+dependent launch is on, ``pagoda_cuda.switches``) of weights of at most SKINNY_MAX_WEIGHT_BYTES; otherwise the
+``linear`` op is torch's. Measured on an H200 (docs/benchmarks.md, nineteenth session; with PDL): as fast as
+cuBLAS or faster at Qwen3-0.6B's layers (4-13 MB; batch-1 decode 1.43 -> 1.20 ms a token with it), 5-29% slower
+at Phi-3-mini's 50-100 MB layers. ``scripts/skinny_linear_probe.py`` times it against cuBLAS at decode shapes.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from pagoda_cuda._triton import interpreting, pdl, sm_count, wait_for_inputs
 from pagoda_cuda.switches import MAX_SKINNY_ROWS, lenient, skinny_rows
 
 SKINNY_ROWS = lenient(skinny_rows, 0)  # up to this many rows the Triton kernel runs; above, torch's linear
+# the largest weight it takes: above, cuBLAS streamed the weight faster in the measurements (module docstring)
+SKINNY_MAX_WEIGHT_BYTES = 16 << 20
 
 
 @triton.jit
@@ -117,7 +121,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The ``linear`` kernel op: the Triton kernel for at most SKINNY_ROWS rows, torch's linear for more."""
-    if SKINNY_ROWS and x.numel() // max(1, x.shape[-1]) <= SKINNY_ROWS and x.dtype == weight.dtype:
+    """The ``linear`` kernel op: the Triton kernel for at most SKINNY_ROWS rows of a weight of at most
+    SKINNY_MAX_WEIGHT_BYTES, torch's linear otherwise."""
+    if (SKINNY_ROWS and x.numel() // max(1, x.shape[-1]) <= SKINNY_ROWS and x.dtype == weight.dtype
+            and weight.numel() * weight.element_size() <= SKINNY_MAX_WEIGHT_BYTES):
         return skinny_linear(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from pagoda.lora.ops import TILE_TOKENS, token_tiles
 
-from pagoda_cuda._triton import interpreting, pdl, sm_count, wait_for_inputs
+from pagoda_cuda._triton import interpreting, sm_count
 
 BLOCK_K = 64
 BLOCK_N = 64
@@ -111,14 +111,12 @@ def _expand_kernel(y_ptr, y_stride, h_ptr, h_split_stride, h_stride, b_ptr, b_sl
 def _fused_kernel(x_ptr, x_stride, y_ptr, y_stride, a_ptr, a_slot_stride, a_row_stride, b_ptr, b_slot_stride,
                   b_row_stride, tiles_ptr, tiles_stride, order_ptr, K, P0, P1, P2, RANK_W, GROUP_N,
                   NATIVE: tl.constexpr, IEEE: tl.constexpr, PLAIN: tl.constexpr, ALIGNED: tl.constexpr,
-                  BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                  PDL: tl.constexpr):
+                  BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program (column group, tile). The output columns are up to three pieces of widths P0, P1, P2
     (P1 = P2 = 0: one piece), piece i using rank columns i*RANK_W.. of A and B; each piece is cut
     into groups of GROUP_N columns (a multiple of BLOCK_N), numbered piece by piece.
-    Under programmatic dependent launch (``PDL``) only y is read after the wait: x, the work list and the
-    adapters' weights were complete before the base GEMM this kernel follows began, so the shrink runs
-    while that GEMM finishes."""
+    (Launched plainly, not with programmatic dependent launch: starting the shrink while the base GEMM finished
+    made a 16-adapter batch 9% slower on an H200, docs/benchmarks.md, nineteenth session.)"""
     group = tl.program_id(0)
     tokens, inside, length, slot = _tile(tiles_ptr, tiles_stride, order_ptr, tl.program_id(1), BLOCK_T)
     c0 = tl.cdiv(P0, GROUP_N)
@@ -148,14 +146,10 @@ def _fused_kernel(x_ptr, x_stride, y_ptr, y_stride, a_ptr, a_slot_stride, a_row_
                       mask=col_ok[None, :] & rank_ok[:, None], other=0.0)
     mask_first = inside[:, None] & col_ok[None, :]
     y_at = y_ptr + tokens[:, None] * y_stride + cols[None, :]
-    if not PDL:
-        y_first = tl.load(y_at, mask=mask_first, other=0.0)
+    y_first = tl.load(y_at, mask=mask_first, other=0.0)
     # h = x_tile @ A_slot.T (this piece's rank columns), over the whole K
     h = _shrink_dot(x_ptr, x_stride, tokens, inside, a_ptr + slot * a_slot_stride, a_row_stride, ranks, rank_ok,
                     0, k_stop, K, NATIVE, IEEE, BLOCK_T, BLOCK_R, BLOCK_K)
-    if PDL:  # y is the base GEMM's output
-        wait_for_inputs(PDL)
-        y_first = tl.load(y_at, mask=mask_first, other=0.0)
     # y[:, group's columns] += h @ B_slot[columns, ranks].T, BLOCK_N columns at a time
     d = _expand_dot(h, b_first.to(tl.float32), IEEE, PLAIN)
     tl.store(y_at, (y_first.to(tl.float32) + d).to(y_ptr.dtype.element_ty), mask=mask_first)
@@ -286,10 +280,6 @@ def lora_fused(x: torch.Tensor, y: torch.Tensor, a_stack: torch.Tensor, b_stack:
                ) -> torch.Tensor:
     """y [T, N] += (x [T, K] @ a_stack[slot].T) @ b_stack[slot].T per token, one launch (in place; returned).
     ``config``: (BLOCK_N, BLOCK_K, programs per SM, num_warps), by default ``fused_config(T)``."""
-    # programmatic dependent launch only right after the base GEMM: this kernel reads x before its wait, so no
-    # launch (a copy of x, the work list built here) may come between
-    early = (pdl(x.device) and token_order is not None and tiles is not None and x.stride(-1) == 1
-             and a_stack.is_contiguous() and b_stack.is_contiguous())
     order, tiles = _work_list(token_slots, token_order, tiles)
     t, k = x.shape
     x, a_stack, b_stack = _rows(x), a_stack.contiguous(), b_stack.contiguous()
@@ -306,8 +296,7 @@ def lora_fused(x: torch.Tensor, y: torch.Tensor, a_stack: torch.Tensor, b_stack:
             b_stack.stride(0), b_stack.stride(1), tiles, tiles.stride(0), order, k, *pieces, rank_w, width,
             NATIVE=native, IEEE=y.dtype == torch.float32 and not interpreting(), PLAIN=interpreting(),
             ALIGNED=all(p % 8 == 0 for p in pieces) and not interpreting(), BLOCK_T=TILE_TOKENS,
-            BLOCK_R=_rank_block(rank_w), BLOCK_K=block_k, BLOCK_N=block_n, PDL=early, num_warps=warps,
-            launch_pdl=early)
+            BLOCK_R=_rank_block(rank_w), BLOCK_K=block_k, BLOCK_N=block_n, num_warps=warps)
     if target is not y:
         y.copy_(target)
     return y
