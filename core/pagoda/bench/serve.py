@@ -4,12 +4,14 @@ Either a fixed ``--concurrency`` (that many requests in flight at all times) or 
 ``--request-rate`` (Poisson arrivals, requests per second), for ``--num-requests`` requests or
 ``--duration`` seconds, whichever ends first. Every request streams (so time to first token
 and time per output token are measured at the client) and asks for ``--max-tokens`` tokens
-with EOS ignored. Only servers on this machine (loopback) are accepted. This module reads the
+with EOS ignored; ``--num-warmups N`` sends N untimed requests first. Only servers on this machine (loopback)
+are accepted. This module reads the
 arguments into a plan and reports; the requests and how they are driven are ``pagoda.bench.serve_client``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import json
 import random
@@ -52,6 +54,10 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="with --compare-unconstrained: this many unconstrained/constrained pairs, interleaved; "
                         "the ratio reported is the median of the pairs' (a server's rate varies between runs)")
+    p.add_argument("--num-warmups", type=int, default=0,
+                   help="send this many requests first, untimed, at the run's concurrency (with "
+                        "--compare-unconstrained: this many of each mode): the server's first steps of a mode "
+                        "compile kernels and grammars that would otherwise land in the timed run")
     p.add_argument("--client-processes", type=int, default=1,
                    help="drive the load from this many processes (requests and concurrency split between them): "
                         "one Python process parses about 8,000 streamed tokens/s, and a faster server needs more "
@@ -188,10 +194,33 @@ def measured(plan: Plan) -> dict:
     return rep
 
 
+def warm_up(plan: Plan, count: int, modes: list[str | None]) -> list[dict]:
+    """``count`` untimed requests per mode in ``modes`` (None: unconstrained), at the plan's concurrency (rate
+    mode: at most 8 at once), from one client process; their reports (kept out of the results)."""
+    prompts = [plan.prompts[i % len(plan.prompts)] for i in range(count)]
+    warm = dataclasses.replace(plan, prompts=prompts, arrivals=None, rate=None, duration=None, results=[],
+                               concurrency=min(count, plan.concurrency or 8), client_processes=1)
+    reports = []
+    for mode in modes:
+        warm.structured = mode
+        wall, _ = _drive(warm)
+        reports.append(report(warm, wall))
+    return reports
+
+
 def run(args) -> int:
     plan = build_plan(args)
     if args.repeats < 1 or (args.repeats > 1 and not args.compare_unconstrained):
         raise ConfigError("--repeats must be >= 1, and more than 1 needs --compare-unconstrained")
+    if args.num_warmups < 0:
+        raise ConfigError("--num-warmups must be >= 0")
+    warmups = []
+    if args.num_warmups:
+        modes = [None, plan.structured] if args.compare_unconstrained else [plan.structured]
+        warmups = warm_up(plan, args.num_warmups, modes)
+        failed = sum(w["requests"] - w["completed"] for w in warmups)
+        if failed:
+            print(f"warning: {failed} of the warm-up requests failed", file=sys.stderr)
     reports, ratios = [], []
     for _ in range(args.repeats if args.compare_unconstrained else 1):
         if args.compare_unconstrained:
@@ -209,6 +238,9 @@ def run(args) -> int:
         # every pair's rates (the top-level report and "unconstrained" are the last pair's runs)
         rep["pair_rates"] = [[u["output_tokens_per_s"], c["output_tokens_per_s"]]
                              for u, c in zip(reports[0::2], reports[1::2])]
+    if warmups:
+        rep["warmups"] = {"requests_per_mode": args.num_warmups,
+                          "completed": sum(w["completed"] for w in warmups)}
     if args.json:
         print(json.dumps(rep, indent=2))
     else:
