@@ -118,9 +118,10 @@ def test_the_flags_the_engine_reads_every_step_follow_assigned_fields():
     assert dataclasses.replace(params, logprobs=None).argmax_only
 
 
-def test_processing_never_changes_the_callers_logits_nor_the_logprobs_it_reports():
-    # a logit bias moves the pick; the caller's logits (float32: the very tensor, or bf16: upcast) stay as
-    # they were, and the logprobs are the raw distribution's
+def test_processing_moves_the_pick_and_reports_the_raw_logprobs():
+    # a logit bias moves the pick; the logprobs are the raw distribution's, float32 or bf16 (the sampler may
+    # process float32 logits in the caller's own tensor: no caller reads them afterwards; with logprobs it
+    # keeps them raw)
     for dtype in (torch.float32, torch.bfloat16):
         logits = torch.randn(2, V).to(dtype)
         before = logits.clone()
@@ -128,22 +129,20 @@ def test_processing_never_changes_the_callers_logits_nor_the_logprobs_it_reports
         biased = SamplingParams(temperature=0, logit_bias={low: 100.0}, logprobs=1)
         plain = SamplingParams(temperature=0, logit_bias={low: 100.0})
         for params in (biased, plain):  # with logprobs (the raw kept) and without (processed in place)
-            result = Sampler(torch.device("cpu"))(logits, seqs(params, params))
+            result = Sampler(torch.device("cpu"))(before.clone(), seqs(params, params))
             assert result.tokens == [low, low]
-            assert torch.equal(logits, before), dtype
         chosen, rank, _ = Sampler(torch.device("cpu"))(logits, seqs(biased)).logprobs[0]
-        assert rank == V and abs(chosen - torch.log_softmax(logits[0].float(), -1)[low].item()) < 1e-5
+        assert rank == V and abs(chosen - torch.log_softmax(before[0].float(), -1)[low].item()) < 1e-5
+        assert torch.equal(logits, before)  # (the raw logits were read after the pick: kept)
 
 
-def test_choosing_on_the_device_matches_the_sampler_and_keeps_the_logits():
+def test_choosing_on_the_device_matches_the_sampler():
     for dtype in (torch.float32, torch.bfloat16):
-        logits = torch.randn(3, V).to(dtype)
-        before = logits.clone()
+        before = torch.randn(3, V).to(dtype)
         for params in ([SamplingParams(temperature=0)] * 3,
                        [SamplingParams(temperature=1.0, seed=5)] * 3,
                        [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=5),
                         SamplingParams(temperature=0)]):
-            device = Sampler(torch.device("cpu")).select_on_device(logits, seqs(*params, seeds=[1, 2, 3]))
-            host = Sampler(torch.device("cpu"))(logits, seqs(*params, seeds=[1, 2, 3]))
+            device = Sampler(torch.device("cpu")).select_on_device(before.clone(), seqs(*params, seeds=[1, 2, 3]))
+            host = Sampler(torch.device("cpu"))(before.clone(), seqs(*params, seeds=[1, 2, 3]))
             assert device.tokens.tolist() == host.tokens and device.tokens.dtype == torch.int64
-            assert torch.equal(logits, before)
