@@ -146,3 +146,17 @@ def test_choosing_on_the_device_matches_the_sampler():
             device = Sampler(torch.device("cpu")).select_on_device(before.clone(), seqs(*params, seeds=[1, 2, 3]))
             host = Sampler(torch.device("cpu"))(before.clone(), seqs(*params, seeds=[1, 2, 3]))
             assert device.tokens.tolist() == host.tokens and device.tokens.dtype == torch.int64
+
+
+def test_the_row_argmax_is_torchs_argmax_ties_and_nans_included():
+    from pagoda.engine.sampler import row_argmax
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for trial in range(60):
+            t = torch.randint(0, 4, (7, 300), generator=gen).to(dtype)  # many equal maxima: the first wins
+            if trial % 3 == 0:
+                t[trial % 7, (trial * 7) % 300] = float("nan")  # a NaN counts as the largest
+            if trial % 5 == 0:
+                t[1] = float("-inf")
+            assert torch.equal(row_argmax(t), t.argmax(dim=-1)), (dtype, trial)

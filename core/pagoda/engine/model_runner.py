@@ -16,7 +16,7 @@ from pagoda import kernels
 from pagoda.config import EngineConfig
 from pagoda.engine.inputs import StepInputs, build_step_inputs
 from pagoda.engine.kv_groups import KVCacheLayout, plan_kv_layout
-from pagoda.engine.sampler import Sampler, SampleResult, fail_blocked
+from pagoda.engine.sampler import Sampler, SampleResult, fail_blocked, row_argmax
 from pagoda.engine.scheduler import SchedulerOutput
 from pagoda.errors import ConfigError
 from pagoda.forward_context import ForwardContext, prepared_context, set_forward_context
@@ -286,7 +286,7 @@ class ModelRunner:
         StepFeed``): the input ids of decode ``feed.rows`` are ``feed.tokens[feed.indices]`` (a
         previous step's tokens, not yet on the host). ``staged``: ``stage_launch(out)``'s, if done already."""
         logits, seqs = self._launch_forward(out, feed, staged)
-        return self._pending_tokens(logits[:len(seqs)].argmax(dim=-1), len(seqs))
+        return self._pending_tokens(row_argmax(logits[:len(seqs)]), len(seqs))
 
     @torch.inference_mode()
     def launch_logits(self, out: SchedulerOutput, feed=None, staged=None) -> PendingLogits:

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 
 import torch
 
-from pagoda.engine.sampler import _filtered_probs
+from pagoda.engine.sampler import _filtered_probs, row_argmax
 from pagoda.engine.sequence import Sequence
 from pagoda.logits_processors import process_row
 
@@ -63,7 +63,7 @@ def sampling_probs(work: torch.Tensor, params) -> torch.Tensor:
 
 def accept_greedy(work: torch.Tensor, drafts: list[int]) -> tuple[list[int], int]:
     """(the tokens the step yields, how many drafts were kept) from processed rows [k + 1, V]."""
-    best = work.argmax(dim=-1).tolist()
+    best = row_argmax(work).tolist()
     kept = 0
     while kept < len(drafts) and drafts[kept] == best[kept]:
         kept += 1
