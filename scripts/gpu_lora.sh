@@ -5,6 +5,8 @@
 # prompts, with 0 (base only), 1, 4 and 16 distinct rank-16 adapters on every projection. Prints a table
 # last: output tok/s and the cost against the base (issue target: 16 adapters cost <= 20%).
 # "0e" (the base model with --enforce-eager) can be added to the counts for the cost of running eagerly;
+# a count may carry a variable for its run after a colon, e.g. "16:PAGODA_CUDA_LORA_STACKED_TOKENS=256" (steps
+# of up to 256 tokens through the stacked GEMM and its expand) beside "16" (the default);
 # LORA_PROFILE=16 adds --profile (decode step breakdown) to the run with that many adapters.
 # LORA_KERNEL_BENCH="--only lora" (kernel_bench's arguments) times the LoRA kernels last: shrink+expand
 # against the fused kernel at each of Qwen3-0.6B's layers, with its tile sweep unless --no-sweep is given.
@@ -35,13 +37,16 @@ timeout 150 $PY -m pytest -q -x plugins/cuda/tests/test_lora_kernels.py "tests/t
 tail -3 "$RES/tests.txt" | tee -a "$RES/lora.log"
 
 for n in $COUNTS; do
-  case $n in 0) lora=() ;; 0e) lora=(--enforce-eager) ;; *) lora=(--lora "$n" --lora-rank 16) ;; esac
+  count=${n%%:*}
+  tag=${n//[:=]/_}
+  vars=(); [ "$count" = "$n" ] || vars=("${n#*:}")
+  case $count in 0) lora=() ;; 0e) lora=(--enforce-eager) ;; *) lora=(--lora "$count" --lora-rank 16) ;; esac
   [ "$n" = "$PROFILE_COUNT" ] && lora+=(--profile)
-  say "bench $SHAPE, 64 prompts, $n adapters"
-  timeout 70 $PY -m pagoda.cli.main bench throughput --shape "$SHAPE" --num-prompts 64 --input-len "$INPUT" \
+  say "bench $SHAPE, 64 prompts, $count adapters ${vars[*]}"
+  env "${vars[@]}" timeout 70 $PY -m pagoda.cli.main bench throughput --shape "$SHAPE" --num-prompts 64 --input-len "$INPUT" \
     --output-len "$OUTPUT" --ignore-eos --repeats 2 --warmup-prompts 64 --max-num-seqs 64 --bandwidth-gbs 4800 --matmul-tflops 990 \
-    --json "$RES/bench-$n.json" "${lora[@]}" >"$RES/bench-$n.txt" 2>&1 || say "bench with $n adapters failed or timed out"
-  grep -E "output tok/s" "$RES/bench-$n.txt" | head -1 | tee -a "$RES/lora.log"
+    --json "$RES/bench-$tag.json" "${lora[@]}" >"$RES/bench-$tag.txt" 2>&1 || say "bench with $n adapters failed or timed out"
+  grep -E "output tok/s" "$RES/bench-$tag.txt" | head -1 | tee -a "$RES/lora.log"
 done
 
 $PY - "$RES" $COUNTS <<'PYEOF' | tee "$RES/table.txt"
@@ -49,15 +54,15 @@ import json, sys, pathlib
 res, counts = pathlib.Path(sys.argv[1]), sys.argv[2:]
 rate = {}
 for n in counts:
-    f = res / f"bench-{n}.json"
-    rate[n] = json.loads(f.read_text())["best"]["output_tok_s"] if f.exists() else None
+    f = res / f"bench-{n.replace(':', '_').replace('=', '_')}.json"
+    rate[n] = json.loads(f.read_text())["best"]["output_tok_s"] if f.exists() else None  # (n: "16:VAR=0" too)
 base = rate.get("0")
-print("adapters | output tok/s | vs base")
-print("---------|--------------|--------")
+print("| adapters | output tok/s | vs base |")
+print("| --- | --- | --- |")
 for n in counts:
     r = rate[n]
     cost = "" if r is None or not base or n == "0" else f"{100 * (1 - r / base):.1f}% below base"
-    print(f"{n:>8} | {'failed' if r is None else f'{r:,.0f}':>12} | {cost}")
+    print(f"| {n} | {'failed' if r is None else f'{r:,.0f}'} | {cost} |")
 PYEOF
 if [ -n "$KERNEL_BENCH" ]; then
   say "kernel_bench $KERNEL_BENCH"

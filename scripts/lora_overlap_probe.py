@@ -5,6 +5,9 @@ graph per variant:
   base        the GEMMs alone
   sequential  GEMM, then the fused LoRA kernel adding into its output (the engine today)
   overlapped  side stream: zero a delta, fused kernel into it; main: the GEMM; join; y += delta
+  stacked     one GEMM over the weight stacked with every adapter's A ([N + S*R, K]: the base output and
+              every adapter's shrink), then the expand from its output in place (lora_expand_stacked)
+  stacked_gemm  that GEMM alone; stacked_copy  stacked, then its strided output copied to a contiguous y
 Prints us per step (all 112 projections) and per projection. Run on a CUDA machine:
   python scripts/lora_overlap_probe.py [--tokens 64] [--adapters 1 16]
 """
@@ -17,7 +20,7 @@ import torch
 import triton
 from pagoda.lora.ops import max_tiles, token_tiles
 from pagoda_cuda.kernel_bench import LORA_LAYERS
-from pagoda_cuda.ops.lora import lora_fused
+from pagoda_cuda.ops.lora import lora_expand_stacked, lora_fused
 
 LAYERS = 28
 
@@ -38,6 +41,9 @@ def build(tokens: int, adapters: int, rank: int = 16):
                 "a": torch.randn(adapters, r, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5,
                 "b": b / 4, "pieces": pieces, "y": torch.empty(tokens, n, device="cuda", dtype=torch.bfloat16),
                 "delta": torch.empty(tokens, n, device="cuda", dtype=torch.bfloat16)})
+            p = projections[-1]
+            p["stacked"] = torch.cat([p["w"], p["a"].reshape(-1, k)])
+            p["out"] = torch.empty(tokens, p["stacked"].shape[0], device="cuda", dtype=torch.bfloat16)
     slots = torch.arange(tokens) % adapters
     order = torch.argsort(slots, stable=True)
     tiles = torch.from_numpy(token_tiles(slots[order].numpy(), pad_to=max_tiles(tokens, adapters))).cuda()
@@ -65,7 +71,22 @@ def variants(projections, slots, order, tiles, side: torch.cuda.Stream):
             main.wait_stream(side)
             p["y"].add_(p["delta"])
 
-    return {"base": base, "sequential": sequential, "overlapped": overlapped}
+    def stacked_gemm():
+        for p in projections:
+            torch.nn.functional.linear(p["x"], p["stacked"], out=p["out"])
+
+    def stacked():
+        for p in projections:
+            torch.nn.functional.linear(p["x"], p["stacked"], out=p["out"])
+            lora_expand_stacked(p["out"], p["w"].shape[0], p["b"], slots, order, tiles, p["pieces"])
+
+    def stacked_copy():
+        for p in projections:
+            torch.nn.functional.linear(p["x"], p["stacked"], out=p["out"])
+            p["y"].copy_(lora_expand_stacked(p["out"], p["w"].shape[0], p["b"], slots, order, tiles, p["pieces"]))
+
+    return {"base": base, "sequential": sequential, "overlapped": overlapped, "stacked_gemm": stacked_gemm,
+            "stacked": stacked, "stacked_copy": stacked_copy}
 
 
 def replay_seconds(fn) -> float:
@@ -77,6 +98,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[64])
     parser.add_argument("--adapters", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--variants", nargs="+", default=None, help="a subset of the variants (base first)")
     args = parser.parse_args()
     side = torch.cuda.Stream()
     print("| tokens | adapters | variant | us per step (112 projections) | us per projection | LoRA cost vs base |")
@@ -85,11 +107,13 @@ def main() -> None:
         for adapters in args.adapters:
             projections, slots, order, tiles = build(tokens, adapters)
             fns = variants(projections, slots, order, tiles, side)
+            if args.variants:
+                fns = {name: fns[name] for name in ["base"] + [v for v in args.variants if v != "base"]}
             ref = None
             results = {}
             for name, fn in fns.items():
                 results[name] = replay_seconds(fn)
-                if name != "base":  # the variants agree
+                if name not in ("base", "stacked_gemm", "stacked"):  # the variants agree (stacked: as its copy)
                     y = torch.cat([p["y"].float().flatten() for p in projections])
                     ref = y if ref is None else ref
                     err = (y - ref).abs().max().item()

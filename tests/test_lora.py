@@ -257,6 +257,83 @@ def test_layers_make_one_update_call_per_layer(monkeypatch):
     assert calls[1:] == ["lora_shrink", "lora_expand"]
 
 
+def test_stacked_weights_give_the_same_mixed_batch(models, prompts, expected, monkeypatch):
+    """Where the platform has ``lora_expand_stacked`` (pagoda-cuda), each plain adapted layer keeps its weight
+    above every slot's A in one tensor, and small steps run one GEMM over it and the op's expand: the mixed
+    batch still gives transformers+peft's tokens (the reference op stands in for the kernel here; steps of
+    more than 8 tokens, the prefills, take the other path)."""
+    from pagoda.lora import layers as lora_layers
+    from pagoda.lora import ops
+
+    calls = []
+
+    def expand_stacked(*args):
+        calls.append(args[0].shape[0])
+        return ops.lora_expand_stacked(*args)
+
+    expand_stacked.max_tokens = 8
+    monkeypatch.setattr(lora_layers, "lora_stacked_op", lambda: expand_stacked)
+    by_name = requests(models)
+    names = [n for n in ("a2", "a1", "base") for _ in prompts]
+    llm = LLM(model=str(models[0]), device="cpu", dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
+              block_size=8, num_kv_blocks=64, max_num_batched_tokens=24, max_model_len=112)
+    methods = [layer.quant_method for layer, _ in llm.engine.runner.lora.layers.values()]
+    assert all(m.stacked is not None for m in methods)
+    for method in methods:  # the weight and the slots' A are views of the stack
+        layer_weight = next(layer.weight for layer, _ in llm.engine.runner.lora.layers.values()
+                            if layer.quant_method is method)
+        assert layer_weight.data_ptr() == method.stacked.data_ptr()
+        assert method.a_stack.data_ptr() == method.stacked[layer_weight.shape[0]:].data_ptr()
+    outs = llm.generate(prompts * 3, GREEDY, lora_request=[by_name[n] for n in names])
+    assert [o.outputs[0].token_ids for o in outs] == [t for n in ("a2", "a1", "base") for t in expected[n]]
+    assert calls and max(calls) <= 8
+
+
+def test_stacked_layer_matches_the_separate_update(monkeypatch):
+    """One layer: the stacked GEMM and expand equal the plain GEMM and ``lora_fused`` (bias included), the
+    stack is refused for quantized-like or too-large stacks, and larger steps take the separate update."""
+    from pagoda.forward_context import ForwardContext, set_forward_context
+    from pagoda.layers.linear import QKVParallelLinear, RowParallelLinear
+    from pagoda.lora import layers as lora_layers
+    from pagoda.lora import ops
+    from pagoda.lora.manager import LoRAMapping
+
+    gen = torch.Generator().manual_seed(6)
+    layer = QKVParallelLinear(16, 4, 4, 2, bias=True, params_dtype=torch.float32)  # q 16, k 8, v 8 columns
+    layer.weight.data.normal_(generator=gen)
+    layer.bias.data.normal_(generator=gen)
+    weight = layer.weight.detach().clone()
+    method = lora_layers.LoRALinearMethod(layer.quant_method, 2, 3, 2, 16, 32, torch.float32, torch.device("cpu"))
+    layer.quant_method = method
+    for piece, (offset, size) in enumerate([(0, 16), (16, 8), (24, 8)]):
+        method.write_piece(1, piece, torch.randn(2, 16, generator=gen), torch.randn(size, 2, generator=gen), offset)
+    x = torch.randn(5, 16, generator=gen)
+    mapping = LoRAMapping(torch.tensor([1, -1, 1, 0, 1]), True)
+    with set_forward_context(ForwardContext(attn_metadata=None, backends={}, lora=mapping)):
+        want = layer(x)
+        a_before = method.a_stack.clone()
+        calls = []
+
+        def expand_stacked(*args):
+            calls.append(args[0].shape)
+            return ops.lora_expand_stacked(*args)
+
+        expand_stacked.max_tokens = 5
+        assert method.stack_weights(layer, expand_stacked)
+        assert torch.equal(layer.weight, weight) and torch.equal(method.a_stack, a_before)
+        got = layer(x)
+        torch.testing.assert_close(got, want)
+        assert calls == [(5, 32 + 2 * 6)]
+    double = LoRAMapping(torch.cat([mapping.token_slots, mapping.token_slots]), True)
+    with set_forward_context(ForwardContext(attn_metadata=None, backends={}, lora=double)):
+        torch.testing.assert_close(layer(torch.cat([x, x])), torch.cat([want, want]))  # 10 tokens: lora_fused
+        assert len(calls) == 1
+    # a stack with more extra rows than the weight has rows is refused (8 slots x rank 4 > 8 rows)
+    small = RowParallelLinear(16, 8, params_dtype=torch.float32)
+    wide = lora_layers.LoRALinearMethod(small.quant_method, 8, 1, 4, 16, 8, torch.float32, torch.device("cpu"))
+    assert not wide.stack_weights(small, expand_stacked) and wide.stacked is None
+
+
 def test_generate_cli_with_an_adapter(models, capsys):
     from pagoda.cli.main import main
     from transformers import AutoTokenizer

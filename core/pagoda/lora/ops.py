@@ -21,6 +21,13 @@ each kernel program multiplies one adapter's weights (SGMV); zero-length tiles p
 gate/up) when ``b_stack`` is block-diagonal over them (piece i's rows use only rank columns
 i*R/len(piece_sizes)..), so that a kernel can skip the zero blocks; the result does not depend on it.
 Gather-based (BGMV-style): no host synchronisation, so a captured graph replays it.
+
+A platform may also register ``lora_expand_stacked`` (pagoda-cuda does): for a layer whose plain weight W
+[N, K] lies above every slot's A in one tensor [N + S*R, K] (``LoRALinearMethod.stack_weights``), one GEMM
+gives the base output and every slot's shrink, out [T, N + S*R]; the op then adds each adapted token's
+out[t, N + slot*R..] @ b_stack[slot].T into out[:, :N] in place and returns that view. A decode-sized step
+then pays a few extra rows of the GEMM (which reads the weight anyway) and a short expand instead of a
+shrink that reads K serially; the reference below states its result.
 """
 
 from __future__ import annotations
@@ -100,6 +107,23 @@ def lora_fused(x: torch.Tensor, y: torch.Tensor, a_stack: torch.Tensor, b_stack:
                piece_sizes: tuple[int, ...] | None = None) -> torch.Tensor:
     """y [T, N] += (x [T, K] @ a_stack[slot].T) @ b_stack[slot].T per token (in place; returned)."""
     return lora_expand(y, lora_shrink(x, a_stack, token_slots), b_stack, token_slots)
+
+
+def lora_expand_stacked(out: torch.Tensor, n: int, b_stack: torch.Tensor, token_slots: torch.Tensor,
+                        token_order: torch.Tensor | None = None, tiles: torch.Tensor | None = None,
+                        piece_sizes: tuple[int, ...] | None = None) -> torch.Tensor:
+    """out [T, n + S*R] (the stacked GEMM's output: base output, then each slot's h) -> out[:, :n] with
+    each adapted token's h[slot] @ b_stack[slot].T added, in place."""
+    t, (s, _, r) = out.shape[0], b_stack.shape
+    y = out[:, :n]
+    valid = (token_slots >= 0).unsqueeze(1)
+    slots = token_slots.clamp(min=0).long()
+    h = out[:, n:].reshape(t, s, r)[torch.arange(t, device=out.device), slots]  # [T, R]
+    for start, end in _chunks(t, b_stack.shape[1] * r):
+        b = b_stack.index_select(0, slots[start:end]).float()  # [C, N, R]
+        d = torch.bmm(b, h[start:end].float().unsqueeze(2)).squeeze(2)
+        y[start:end] += torch.where(valid[start:end], d, 0.0).to(y.dtype)
+    return y
 
 
 def two_kernel_update(shrink, expand):

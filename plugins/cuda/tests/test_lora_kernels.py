@@ -160,3 +160,65 @@ def test_fused_kernel_in_sharded_qkv_layers(device, monkeypatch, kv_heads, tp):
             method.update = lora_fused
             got = method.apply(layer, x, None)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def _stacked_case(device, dtype, t, k, sizes, r, s, seed=0, segments=0):
+    """The expand of a layer whose base GEMM ran over its weight stacked with every slot's A: the base
+    output plus each adapted token's update, in place in the GEMM's output, against the reference."""
+    from pagoda_cuda.ops.lora import lora_expand_stacked
+
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(sizes)
+    x = torch.randn(t, k, generator=gen)
+    w = 0.1 * torch.randn(n, k, generator=gen)
+    a = 0.1 * torch.randn(s, len(sizes) * r, k, generator=gen)
+    b = torch.zeros(s, n, len(sizes) * r)
+    offset = 0
+    for i, size in enumerate(sizes):
+        b[:, offset:offset + size, i * r:(i + 1) * r] = 0.1 * torch.randn(s, size, r, generator=gen)
+        offset += size
+    slots = torch.randint(-1, s, (t,), generator=gen)
+    if segments:
+        slots = slots.repeat_interleave(segments)[:t]
+    host_order = torch.argsort(slots, stable=True)
+    tiles = torch.from_numpy(ref.token_tiles(slots[host_order].numpy(), pad_to=ref.max_tiles(t, s))).to(device)
+    x, w, a, b = (v.to(device, dtype) for v in (x, w, a, b))
+    slots = slots.to(device)
+    stacked = torch.cat([w, a.reshape(-1, k)])  # [N + S*R, K]
+    out = x @ stacked.T
+    base = out[:, :n].clone()
+    # the reference from the same rounded shrink the GEMM wrote (the kernel's input)
+    h = out[:, n:].reshape(t, s, -1)[torch.arange(t), slots.clamp(min=0)].float()
+    want = base.float() + torch.einsum("tr,tnr->tn", h, b.float()[slots.clamp(min=0)])
+    pieces = sizes if len(sizes) > 1 else None
+    got = lora_expand_stacked(out, n, b, slots, host_order.to(device), tiles, pieces)
+    assert got.data_ptr() == out.data_ptr() and got.shape == (t, n)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=1e-2)
+    torch.testing.assert_close(got[slots >= 0].float(), want[slots >= 0], **tol)
+    assert torch.equal(got[slots < 0], base[slots < 0])  # base rows keep the base output
+
+
+@pytest.mark.parametrize("t, k, sizes, r, s, segments", [(37, 40, (24, 8, 12), 6, 4, 0),  # q/k/v, odd widths
+                                                         (20, 32, (200, 200), 16, 2, 7),  # gate/up, runs
+                                                         (9, 24, (40,), 5, 3, 0), (1, 8, (8,), 1, 1, 0)])
+def test_expand_from_stacked_gemm(device, t, k, sizes, r, s, segments):
+    _stacked_case(device, torch.float32, t, k, sizes, r, s, seed=t, segments=segments)
+
+
+def test_expand_from_stacked_gemm_bf16(device):
+    _stacked_case(device, torch.bfloat16, 24, 96, (64, 32, 32), 8, 3, seed=5)
+
+
+def test_expand_from_stacked_gemm_checks_the_width(device):
+    from pagoda_cuda.ops.lora import lora_expand_stacked
+
+    out = torch.zeros(4, 10 + 2 * 3, device=device)
+    with pytest.raises(ValueError, match=r"not \[T, 10 \+ 2 x 4\]"):
+        lora_expand_stacked(out, 10, torch.zeros(2, 10, 4, device=device), torch.zeros(4, dtype=torch.long,
+                                                                                    device=device))
+
+
+@GPU
+def test_expand_from_stacked_gemm_real_shapes(device):
+    _stacked_case(device, torch.bfloat16, 64, 1024, (2048, 1024, 1024), 16, 16)  # Qwen3-0.6B's qkv, decode
+    _stacked_case(device, torch.bfloat16, 64, 3072, (1024,), 16, 16)  # its down projection

@@ -25,6 +25,8 @@ plain float32 under the interpreter (which computes bf16 wrongly)."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 import triton
@@ -300,3 +302,74 @@ def lora_fused(x: torch.Tensor, y: torch.Tensor, a_stack: torch.Tensor, b_stack:
     if target is not y:
         y.copy_(target)
     return y
+
+
+@triton.jit
+def _expand_stacked_kernel(out_ptr, out_stride, N, b_ptr, b_slot_stride, b_row_stride, tiles_ptr, tiles_stride,
+                           order_ptr, SLOT_W, P0, P1, P2, RANK_W, NATIVE: tl.constexpr, PLAIN: tl.constexpr,
+                           BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (column block, tile): out[tokens, cols] += h @ B_slot[cols, ranks].T, where h is the tile's
+    shrink as the base GEMM over the stacked weight wrote it: out[tokens, N + slot*SLOT_W + ranks]. A column
+    block lies in one piece (blocks are counted piece by piece) and uses that piece's RANK_W rank columns."""
+    block = tl.program_id(0)
+    tokens, inside, length, slot = _tile(tiles_ptr, tiles_stride, order_ptr, tl.program_id(1), BLOCK_T)
+    c0 = tl.cdiv(P0, BLOCK_N)
+    c1 = tl.cdiv(P1, BLOCK_N)
+    second = block >= c0
+    third = block >= c0 + c1
+    chunk = block - tl.where(second, c0, 0) - tl.where(third, c1, 0)
+    offset = tl.where(second, P0, 0) + tl.where(third, P1, 0)
+    size = tl.where(third, P2, tl.where(second, P1, P0))
+    lanes_n = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = length > 0
+    col_ok = (lanes_n < size) & live
+    cols = offset + lanes_n
+    lanes_r = tl.arange(0, BLOCK_R)
+    ranks = (second.to(tl.int32) + third.to(tl.int32)) * RANK_W + lanes_r
+    rank_ok = (lanes_r < RANK_W) & live
+    rows = out_ptr + tokens[:, None] * out_stride
+    h = tl.load(rows + N + slot * SLOT_W + ranks[None, :], mask=inside[:, None] & rank_ok[None, :], other=0.0)
+    b = tl.load(b_ptr + slot * b_slot_stride + cols[None, :] * b_row_stride + ranks[:, None],  # B.T [R, BLOCK_N]
+                mask=col_ok[None, :] & rank_ok[:, None], other=0.0)
+    if NATIVE:  # bf16 / fp16: exact products, float32 sums
+        d = tl.dot(h, b)
+    else:
+        d = _expand_dot(h.to(tl.float32), b.to(tl.float32), not PLAIN, PLAIN)
+    mask = inside[:, None] & col_ok[None, :]
+    y = tl.load(rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(rows + cols[None, :], (y + d).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+STACKED_BLOCK_N = 128
+
+
+def lora_expand_stacked(out: torch.Tensor, n: int, b_stack: torch.Tensor, token_slots: torch.Tensor,
+                        token_order: torch.Tensor | None = None, tiles: torch.Tensor | None = None,
+                        piece_sizes: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The expand of a layer whose base GEMM also computed every slot's shrink (``pagoda.lora.ops``):
+    out [T, n + S*R] holds the base output, then slot s's h in columns n + s*R..; each adapted token's
+    h_slot @ b_stack[slot].T is added into ``out[:, :n]`` in place (base tokens keep the base output),
+    and that view is returned. One launch, program (column block, tile); a column block lies in one
+    piece of a fused layer and reads only that piece's rank columns."""
+    t = out.shape[0]
+    s, _, r = b_stack.shape
+    if out.stride(-1) != 1 or out.shape[1] != n + s * r:
+        raise ValueError(f"lora_expand_stacked: out {tuple(out.shape)} is not [T, {n} + {s} x {r}] with unit stride")
+    order, tiles = _work_list(token_slots, token_order, tiles)
+    pieces, rank_w = _pieces(n, r, piece_sizes)
+    num_tiles = tiles.shape[1]
+    if t and num_tiles:
+        blocks = sum(triton.cdiv(p, STACKED_BLOCK_N) for p in pieces)
+        native = out.dtype == b_stack.dtype and out.dtype in (torch.bfloat16, torch.float16) and not interpreting()
+        _expand_stacked_kernel[(blocks, num_tiles)](
+            out, out.stride(0), n, b_stack, b_stack.stride(0), b_stack.stride(1), tiles, tiles.stride(0), order, r,
+            *pieces, rank_w, NATIVE=native, PLAIN=interpreting(), BLOCK_T=TILE_TOKENS, BLOCK_R=_rank_block(rank_w),
+            BLOCK_N=STACKED_BLOCK_N, num_warps=4)
+    return out[:, :n]
+
+
+# the largest step (tokens) for which an adapted layer runs its stacked GEMM and this expand rather than
+# the plain GEMM and lora_fused: above it, the shrink of every slot in the GEMM costs more than it saves
+# (PAGODA_CUDA_LORA_STACKED_TOKENS, docs/cuda.md; 0, the default until it is measured on a GPU: never, i.e.
+# lora_fused at every size)
+lora_expand_stacked.max_tokens = int(os.environ.get("PAGODA_CUDA_LORA_STACKED_TOKENS", 0))
