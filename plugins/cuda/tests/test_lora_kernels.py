@@ -63,15 +63,15 @@ def test_small_batches_split_k_into_partial_sums(device):
     _case(device, torch.float32, 4, 256, 40, 16, 2, seed=3)
 
 
-def _pieces_case(device, dtype, t, k, sizes, r, s, seed=0, config=None, segments=0):
-    """A fused layer's stacks as pagoda.lora.layers writes them: piece i's A at rank rows i*r.., its B
-    block-diagonal; the fused kernel told the pieces against the reference (which is not)."""
-    from pagoda_cuda.ops.lora import lora_fused
-
+def _piece_stacks(device, t, k, sizes, r, s, seed, segments, second):
+    """Inputs of a fused layer as pagoda.lora.layers writes its stacks: x [t, k], a second tensor of
+    ``second`` columns of the same draw (y, or a base weight's rows), A [s, pieces*r, k] with piece i at
+    rank rows i*r.., B block-diagonal over the pieces, slots (-1: base; runs of ``segments``), the
+    host's token order and tiles on ``device``."""
     gen = torch.Generator().manual_seed(seed)
     n = sum(sizes)
     x = torch.randn(t, k, generator=gen)
-    y = torch.randn(t, n, generator=gen)
+    other = torch.randn(*second, generator=gen)
     a = 0.1 * torch.randn(s, len(sizes) * r, k, generator=gen)
     b = torch.zeros(s, n, len(sizes) * r)
     offset = 0
@@ -83,6 +83,16 @@ def _pieces_case(device, dtype, t, k, sizes, r, s, seed=0, config=None, segments
         slots = slots.repeat_interleave(segments)[:t]
     host_order = torch.argsort(slots, stable=True)
     tiles = torch.from_numpy(ref.token_tiles(slots[host_order].numpy(), pad_to=ref.max_tiles(t, s))).to(device)
+    return x, other, a, b, slots, host_order, tiles
+
+
+def _pieces_case(device, dtype, t, k, sizes, r, s, seed=0, config=None, segments=0):
+    """A fused layer's stacks as pagoda.lora.layers writes them: piece i's A at rank rows i*r.., its B
+    block-diagonal; the fused kernel told the pieces against the reference (which is not)."""
+    from pagoda_cuda.ops.lora import lora_fused
+
+    n = sum(sizes)
+    x, y, a, b, slots, host_order, tiles = _piece_stacks(device, t, k, sizes, r, s, seed, segments, (t, n))
     x, y, a, b = (v.to(device, dtype) for v in (x, y, a, b))
     slots = slots.to(device)
     want = ref.lora_fused(x.float(), y.float().clone(), a.float(), b.float(), slots)
@@ -167,21 +177,9 @@ def _stacked_case(device, dtype, t, k, sizes, r, s, seed=0, segments=0):
     output plus each adapted token's update, in place in the GEMM's output, against the reference."""
     from pagoda_cuda.ops.lora import lora_expand_stacked
 
-    gen = torch.Generator().manual_seed(seed)
     n = sum(sizes)
-    x = torch.randn(t, k, generator=gen)
-    w = 0.1 * torch.randn(n, k, generator=gen)
-    a = 0.1 * torch.randn(s, len(sizes) * r, k, generator=gen)
-    b = torch.zeros(s, n, len(sizes) * r)
-    offset = 0
-    for i, size in enumerate(sizes):
-        b[:, offset:offset + size, i * r:(i + 1) * r] = 0.1 * torch.randn(s, size, r, generator=gen)
-        offset += size
-    slots = torch.randint(-1, s, (t,), generator=gen)
-    if segments:
-        slots = slots.repeat_interleave(segments)[:t]
-    host_order = torch.argsort(slots, stable=True)
-    tiles = torch.from_numpy(ref.token_tiles(slots[host_order].numpy(), pad_to=ref.max_tiles(t, s))).to(device)
+    x, w, a, b, slots, host_order, tiles = _piece_stacks(device, t, k, sizes, r, s, seed, segments, (n, k))
+    w = 0.1 * w
     x, w, a, b = (v.to(device, dtype) for v in (x, w, a, b))
     slots = slots.to(device)
     stacked = torch.cat([w, a.reshape(-1, k)])  # [N + S*R, K]

@@ -110,6 +110,21 @@ def _expand_kernel(y_ptr, y_stride, h_ptr, h_split_stride, h_stride, b_ptr, b_sl
 
 
 @triton.jit
+def _piece(group, P0, P1, P2, GROUP_N):
+    """Column group ``group`` of a layer of up to three pieces (widths P0, P1, P2), each cut into groups
+    of GROUP_N columns numbered piece by piece: (its piece's index, its group within the piece, the
+    piece's first column, the piece's width)."""
+    c0 = tl.cdiv(P0, GROUP_N)
+    c1 = tl.cdiv(P1, GROUP_N)
+    second = group >= c0
+    third = group >= c0 + c1
+    chunk = group - tl.where(second, c0, 0) - tl.where(third, c1, 0)
+    offset = tl.where(second, P0, 0) + tl.where(third, P1, 0)
+    size = tl.where(third, P2, tl.where(second, P1, P0))
+    return second.to(tl.int32) + third.to(tl.int32), chunk, offset, size
+
+
+@triton.jit
 def _fused_kernel(x_ptr, x_stride, y_ptr, y_stride, a_ptr, a_slot_stride, a_row_stride, b_ptr, b_slot_stride,
                   b_row_stride, tiles_ptr, tiles_stride, order_ptr, K, P0, P1, P2, RANK_W, GROUP_N,
                   NATIVE: tl.constexpr, IEEE: tl.constexpr, PLAIN: tl.constexpr, ALIGNED: tl.constexpr,
@@ -121,19 +136,13 @@ def _fused_kernel(x_ptr, x_stride, y_ptr, y_stride, a_ptr, a_slot_stride, a_row_
     made a 16-adapter batch 9% slower on an H200, docs/benchmarks.md, nineteenth session.)"""
     group = tl.program_id(0)
     tokens, inside, length, slot = _tile(tiles_ptr, tiles_stride, order_ptr, tl.program_id(1), BLOCK_T)
-    c0 = tl.cdiv(P0, GROUP_N)
-    c1 = tl.cdiv(P1, GROUP_N)
-    second = group >= c0
-    third = group >= c0 + c1
-    chunk = group - tl.where(second, c0, 0) - tl.where(third, c1, 0)
-    offset = tl.where(second, P0, 0) + tl.where(third, P1, 0)
-    size = tl.where(third, P2, tl.where(second, P1, P0))
+    piece, chunk, offset, size = _piece(group, P0, P1, P2, GROUP_N)
     col_begin = offset + chunk * GROUP_N
     col_end = offset + tl.minimum((chunk + 1) * GROUP_N, size)
     if ALIGNED:  # piece widths and GROUP_N multiples of 8: whole 16-byte stores
         col_begin = tl.multiple_of(col_begin, 8)
     lanes_r = tl.arange(0, BLOCK_R)
-    ranks = (second.to(tl.int32) + third.to(tl.int32)) * RANK_W + lanes_r
+    ranks = piece * RANK_W + lanes_r
     rank_ok = lanes_r < RANK_W
     # an empty tile (padding of a decode graph's fixed grid) runs neither loop and loads nothing
     live = length > 0
@@ -313,19 +322,13 @@ def _expand_stacked_kernel(out_ptr, out_stride, N, b_ptr, b_slot_stride, b_row_s
     block lies in one piece (blocks are counted piece by piece) and uses that piece's RANK_W rank columns."""
     block = tl.program_id(0)
     tokens, inside, length, slot = _tile(tiles_ptr, tiles_stride, order_ptr, tl.program_id(1), BLOCK_T)
-    c0 = tl.cdiv(P0, BLOCK_N)
-    c1 = tl.cdiv(P1, BLOCK_N)
-    second = block >= c0
-    third = block >= c0 + c1
-    chunk = block - tl.where(second, c0, 0) - tl.where(third, c1, 0)
-    offset = tl.where(second, P0, 0) + tl.where(third, P1, 0)
-    size = tl.where(third, P2, tl.where(second, P1, P0))
+    piece, chunk, offset, size = _piece(block, P0, P1, P2, BLOCK_N)
     lanes_n = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
     live = length > 0
     col_ok = (lanes_n < size) & live
     cols = offset + lanes_n
     lanes_r = tl.arange(0, BLOCK_R)
-    ranks = (second.to(tl.int32) + third.to(tl.int32)) * RANK_W + lanes_r
+    ranks = piece * RANK_W + lanes_r
     rank_ok = (lanes_r < RANK_W) & live
     rows = out_ptr + tokens[:, None] * out_stride
     h = tl.load(rows + N + slot * SLOT_W + ranks[None, :], mask=inside[:, None] & rank_ok[None, :], other=0.0)
