@@ -1,5 +1,5 @@
 """Tensor parallelism on CPU (gloo, 2 processes): Llama-family models against one process and
-transformers, torchrun, worker failures, and the pieces (step mirror, lazy slices, checks)."""
+transformers, torchrun, worker failures, and the pieces (step plan and its copies, lazy slices, checks)."""
 
 import json
 import os
@@ -20,11 +20,13 @@ from pagoda.config import EngineConfig
 from pagoda.distributed.process_group import RankInfo, check_world
 from pagoda.engine.executor.control import Kind
 from pagoda.engine.executor.failures import WorkerError, describe_exit, read_failure, report_failure
-from pagoda.engine.executor.step_codec import StepDecoder, StepEncoder
+from pagoda.engine.executor.step_codec import decode_plan, encode_plan
 from pagoda.engine.executor.tensor_parallel import TensorParallelExecutor, _Run
 from pagoda.engine.executor.worker_main import serve_rank
+from pagoda.engine.input_batch import InputBatch
 from pagoda.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pagoda.engine.sequence import Sequence
+from pagoda.engine.step_plan import StepPlanner
 from pagoda.errors import ConfigError
 from pagoda.interfaces import Platform
 from pagoda.loader.lazy_tensor import LazyTensor
@@ -326,62 +328,84 @@ def test_pipelined_launches_reach_every_rank_with_its_own_device_tokens():
     assert ("forget", seqs[0].seq_id) in worker.log
 
 
+class Mirror:
+    """Rank 0's planner and another rank's InputBatch, with the plan crossing as int64 words between them."""
+
+    def __init__(self, lora_lookup=None):
+        self.planner, self.batch = StepPlanner(), InputBatch(lora_lookup)
+
+    def __call__(self, out, one_off=False):
+        plan = decode_plan(encode_plan(self.planner.plan(out, one_off)))
+        return self.batch.apply(plan), list(plan.forgotten)
+
+
 def test_pending_tokens_are_sent_again_once_known():
-    """A mirror holds a pending token only until the next step: it is replaced by the real one, so a
+    """A copy holds a pending token only until the next step: it is replaced by the real one, so a
     sequence recomputed later (preemption) reads the right ids on every rank."""
     from pagoda.engine.scheduler import PENDING_TOKEN
 
-    enc, dec = StepEncoder(), StepDecoder()
+    mirror = Mirror()
     a = Sequence("r", 0, [1, 2, 3], SamplingParams())
     a.block_table = [0]
-    dec.decode(enc.encode(SchedulerOutput([ScheduledSeq(a, 3, True)], 0, 3)))
+    mirror(SchedulerOutput([ScheduledSeq(a, 3, True)], 0, 3))
     a.num_computed_tokens = 3
     a.token_ids.append(PENDING_TOKEN)
-    out, _ = dec.decode(enc.encode(SchedulerOutput([ScheduledSeq(a, 1, True)], 1, 1)))
+    out, _ = mirror(SchedulerOutput([ScheduledSeq(a, 1, True)], 1, 1))
     assert out.scheduled[0].seq.token_ids == [1, 2, 3, PENDING_TOKEN]
     a.token_ids[-1] = 9
     a.num_computed_tokens = 4
     a.token_ids.append(PENDING_TOKEN)
-    out, _ = dec.decode(enc.encode(SchedulerOutput([ScheduledSeq(a, 1, True)], 1, 1)))
+    out, _ = mirror(SchedulerOutput([ScheduledSeq(a, 1, True)], 1, 1))
     assert out.scheduled[0].seq.token_ids == [1, 2, 3, 9, PENDING_TOKEN]
     a.token_ids[-1] = 11
     a.num_computed_tokens = 0  # preempted: recomputed from its tokens
-    out, _ = dec.decode(enc.encode(SchedulerOutput([ScheduledSeq(a, 5, True)], 0, 5)))
+    out, _ = mirror(SchedulerOutput([ScheduledSeq(a, 5, True)], 0, 5))
     assert out.scheduled[0].seq.token_ids == [1, 2, 3, 9, 11]
 
 
 def test_step_mirror_carries_every_kv_group_table():
-    enc, dec = StepEncoder(), StepDecoder(num_groups=3)
     a = Sequence("r", 0, [1, 2, 3, 4, 5], SamplingParams())
     a.block_table, a.group_block_tables = [3, 4], [[-1, 6], [7, 8]]  # a released window block: -1
-    out, _ = dec.decode(enc.encode(SchedulerOutput([ScheduledSeq(a, 5, True)], 0, 5)))
-    mirror = out.scheduled[0].seq
-    assert mirror.block_table == [3, 4] and mirror.group_block_tables == [[-1, 6], [7, 8]]
+    out, _ = Mirror()(SchedulerOutput([ScheduledSeq(a, 5, True)], 0, 5))
+    row = out.scheduled[0].seq
+    assert row.block_table == [3, 4] and row.group_block_tables == [[-1, 6], [7, 8]]
 
 
 def test_step_mirror_tracks_sequences_across_steps():
-    enc, dec = StepEncoder(), StepDecoder()
+    """What another rank's InputBatch holds is what rank 0's sequences hold, step after step: counts,
+    tokens, tables, preemptions, adapters and prompt-logprob wishes; forgotten sequences leave it; a one-off
+    step (scoring) leaves nothing behind."""
+    from pagoda.lora import LoRARequest
+
+    adapter = LoRARequest("ad", 3, "/nowhere")
+    mirror = Mirror(lora_lookup={3: adapter}.__getitem__)
     a = Sequence("r", 0, [1, 2, 3, 4, 5], SamplingParams())
-    b = Sequence("r", 1, [7, 8], SamplingParams())
+    b = Sequence("r", 1, [7, 8], SamplingParams(), lora_request=adapter)
+    b.wants_prompt_logprobs = True
     a.block_table, b.block_table = [3, 4], [9]
     steps = [SchedulerOutput([ScheduledSeq(a, 3, False), ScheduledSeq(b, 2, True)], 0, 5)]
-    a.num_computed_tokens, b.num_computed_tokens = 3, 2
-    b.append_token(42)
-    a.block_table, a.num_preemptions = [3, 5], 1  # e.g. after preemption
-    steps.append(SchedulerOutput([ScheduledSeq(b, 1, True), ScheduledSeq(a, 2, True)], 1, 3))
-    for out in steps:
-        mirror, freed = dec.decode(enc.encode(out))
-        assert freed == []
-        for ours, theirs in zip(out.scheduled, mirror.scheduled):
+    for out in steps + [None]:
+        if out is None:  # the second step, after the first one's effects
+            a.num_computed_tokens, b.num_computed_tokens = 3, 2
+            b.append_token(42)
+            a.block_table, a.num_preemptions = [3, 5], 1  # e.g. after preemption
+            out = SchedulerOutput([ScheduledSeq(b, 1, True), ScheduledSeq(a, 2, True)], 1, 3)
+        copy, forgotten = mirror(out)
+        assert forgotten == []
+        for ours, theirs in zip(out.scheduled, copy.scheduled, strict=True):
             s, m = ours.seq, theirs.seq
-            assert (m.seq_id, m.token_ids, m.num_prompt_tokens, m.num_computed_tokens, m.block_table,
-                    m.num_preemptions) == (s.seq_id, s.token_ids, s.num_prompt_tokens, s.num_computed_tokens,
-                                           s.block_table, s.num_preemptions)
+            fields = ("seq_id", "token_ids", "num_tokens", "num_prompt_tokens", "num_computed_tokens", "block_table",
+                      "group_block_tables", "num_preemptions", "lora_request", "lora_int_id", "wants_prompt_logprobs")
+            assert [getattr(m, f) for f in fields] == [getattr(s, f) for f in fields]
             assert (theirs.num_new_tokens, theirs.sample) == (ours.num_new_tokens, ours.sample)
-        assert (mirror.num_decodes, mirror.num_batched_tokens) == (out.num_decodes, out.num_batched_tokens)
-    enc.forget(b.seq_id)
-    _, freed = dec.decode(enc.encode(SchedulerOutput([ScheduledSeq(a, 1, True)], 1, 1)))
-    assert freed == [b.seq_id] and set(dec.seqs) == {a.seq_id}
+        assert (copy.num_decodes, copy.num_batched_tokens) == (out.num_decodes, out.num_batched_tokens)
+    c = Sequence("s", 2, [5, 6, 7], SamplingParams())
+    c.block_table = [11]
+    scored, _ = mirror(SchedulerOutput([ScheduledSeq(c, 3, False)], 0, 3), one_off=True)
+    assert scored.scheduled[0].seq.token_ids == [5, 6, 7] and c.seq_id not in mirror.batch.rows
+    mirror.planner.forget(b.seq_id)
+    _, forgotten = mirror(SchedulerOutput([ScheduledSeq(a, 1, True)], 1, 1))
+    assert forgotten == [b.seq_id] and set(mirror.batch.rows) == {a.seq_id}
 
 
 def test_lazy_tensor_reads_only_its_window(tmp_path):

@@ -68,7 +68,7 @@ class Sequence:
     # a token the first output token may be besides the grammar's (the one opening the reasoning)
     grammar_opening: tuple | None = None  # (token id, reasoning parser, where the output starts)
     # the runner computes the logprob of each prompt token when this sequence prefills (prompt_logprobs:
-    # the first sequence of a request that asks; mirrored to tensor-parallel ranks)
+    # the first sequence of a request that asks; sent to tensor-parallel ranks in the step plan)
     wants_prompt_logprobs: bool = False
     # the request's images placed in its prompt (pagoda.multimodal.MultiModalInputs), shared by siblings
     mm_inputs: object | None = None

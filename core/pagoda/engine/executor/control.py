@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 
 class Kind(enum.IntEnum):
-    STEP = 1  # run the model on a step (payload: encoded SchedulerOutput; mode: StepMode)
+    STEP = 1  # run the model on a step (payload: an encoded StepPlan; mode: StepMode)
     CALL = 2  # call a runner method (payload: pickled (name, args, kwargs)); results gathered
     STOP = 3  # leave the loop
 

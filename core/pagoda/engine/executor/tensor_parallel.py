@@ -50,7 +50,8 @@ from pagoda.engine.executor.failures import (
     report_failure,
 )
 from pagoda.engine.executor.rank_runner import build_rank_runner
-from pagoda.engine.executor.step_codec import StepEncoder
+from pagoda.engine.executor.step_codec import encode_plan
+from pagoda.engine.step_plan import StepPlanner
 from pagoda.errors import ConfigError
 from pagoda.interfaces import Platform
 
@@ -225,13 +226,13 @@ class TensorParallelExecutor:
         self.driver = driver
         self.run = run
         self.world_size = run.world_size
-        self.encoder = StepEncoder()
+        self.planner = StepPlanner()  # what the other ranks' InputBatch copies hold
         self._finalizer = weakref.finalize(self, run.close)
 
     # ------------------------------------------------------------------ the runner's interface
     @torch.inference_mode()
     def execute(self, out):
-        words = self.encoder.encode(out)
+        words = encode_plan(self.planner.plan(out))
         with self._collective("a model step"):
             self.run.channel.send_words(words, StepMode.EXECUTE)
             return self.driver.execute(out)
@@ -241,7 +242,7 @@ class TensorParallelExecutor:
         """The step pipeline (``pagoda.engine.pipeline``): every rank launches the step (graphs or
         eager); fed rows take each rank's own tokens of the previous launch, which agree because
         every rank argmaxes the same gathered logits."""
-        words = self.encoder.encode(out)
+        words = encode_plan(self.planner.plan(out))
         k = 0 if feed is None else feed.host.shape[1]
         if k:
             words = np.concatenate([words, feed.host.reshape(-1)])
@@ -255,7 +256,7 @@ class TensorParallelExecutor:
 
     @torch.inference_mode()
     def forward_all_logits(self, out) -> torch.Tensor:
-        words = self.encoder.encode(out, persistent=False)
+        words = encode_plan(self.planner.plan(out, one_off=True))
         with self._collective("scoring a prompt"):
             self.run.channel.send_words(words, StepMode.ALL_LOGITS)
             return self.driver.forward_all_logits(out)
@@ -271,7 +272,7 @@ class TensorParallelExecutor:
 
     def forget(self, seq_id: int) -> None:
         self.driver.forget(seq_id)
-        self.encoder.forget(seq_id)
+        self.planner.forget(seq_id)
 
     @property
     def sampler(self):

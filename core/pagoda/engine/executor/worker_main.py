@@ -19,8 +19,9 @@ from typing import Any
 import numpy as np
 
 from pagoda.engine.executor.control import ControlChannel, Kind, StepMode
-from pagoda.engine.executor.step_codec import StepDecoder
+from pagoda.engine.executor.step_codec import decode_plan
 from pagoda.engine.gc_freeze import freeze_startup_objects
+from pagoda.engine.input_batch import InputBatch
 from pagoda.engine.pipeline import StepFeed
 from pagoda.engine.sampler import SampleResult
 from pagoda.kernels.host_upload import upload
@@ -59,10 +60,8 @@ def _feed(launched, fed, k: int):
 def serve_rank(runner: Any, channel: ControlChannel) -> None:
     """Run steps and calls from rank 0 until it sends STOP."""
     runner.sampler = NoSampling()
-    layout = getattr(runner, "kv_layout", None)  # KV cache groups: one block table each
     lora = getattr(runner, "lora", None)  # enable_lora: adapters registered by rank 0's load_lora calls
-    decoder = StepDecoder(layout.num_groups if layout is not None else 1,
-                          lora_lookup=None if lora is None else lora.known.__getitem__)
+    batch = InputBatch(lora_lookup=None if lora is None else lora.known.__getitem__)  # this rank's copies
     launched = None  # the last launch's PendingDecode (its tokens feed the next launch's pending rows)
     stepping = False
     while True:
@@ -76,9 +75,10 @@ def serve_rank(runner: Any, channel: ControlChannel) -> None:
             fed = None
             if mode == StepMode.LAUNCH and arg:  # the fed rows' (rows, indices) end the payload
                 fed, payload = payload[len(payload) - 2 * arg:], payload[:len(payload) - 2 * arg]
-            out, freed = decoder.decode(payload, persistent=mode != StepMode.ALL_LOGITS)
-            for seq_id in freed:
+            plan = decode_plan(payload)
+            for seq_id in plan.forgotten:
                 runner.forget(seq_id)
+            out = batch.apply(plan)
             if mode == StepMode.EXECUTE:
                 runner.execute(out)
             elif mode == StepMode.LAUNCH:
