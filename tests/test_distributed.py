@@ -371,6 +371,13 @@ def test_step_mirror_carries_every_kv_group_table():
     assert row.block_table == [3, 4] and row.group_block_tables == [[-1, 6], [7, 8]]
 
 
+def test_a_plan_with_no_rows_still_carries_the_forgotten_ids():
+    from pagoda.engine.step_plan import StepPlan
+
+    plan = decode_plan(encode_plan(StepPlan((), 0, 0, (5, 6))))
+    assert plan == StepPlan((), 0, 0, (5, 6))
+
+
 def test_step_mirror_tracks_sequences_across_steps():
     """What another rank's InputBatch holds is what rank 0's sequences hold, step after step: counts,
     tokens, tables, preemptions, adapters and prompt-logprob wishes; forgotten sequences leave it; a one-off

@@ -53,6 +53,7 @@ class InputBatch:
         for seq_id in plan.forgotten:
             self.rows.pop(seq_id, None)
         keep = not plan.one_off
+        lookup = self.lora_lookup
         scheduled = []
         for p in plan.rows:
             row = self.rows.get(p.seq_id) if keep else None
@@ -66,9 +67,10 @@ class InputBatch:
             row.num_computed_tokens = p.num_computed_tokens
             row.num_preemptions = p.num_preemptions
             row.wants_prompt_logprobs = p.wants_prompt_logprobs
-            row.lora_request = self.lora_lookup(p.lora_int_id) if p.lora_int_id else None
-            row.block_table = list(p.block_tables[0])
-            row.group_block_tables = [list(t) for t in p.block_tables[1:]]
+            row.lora_request = lookup(p.lora_int_id) if p.lora_int_id else None
+            # (the plan's own lists: a plan is made for one batch, and its lists are copies)
+            row.block_table = p.block_tables[0]
+            row.group_block_tables = list(p.block_tables[1:])
             scheduled.append(ScheduledSeq(row, p.num_new_tokens, p.sample))
         return SchedulerOutput(scheduled, plan.num_decodes, plan.num_batched_tokens)
 

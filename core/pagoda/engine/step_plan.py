@@ -17,13 +17,13 @@ writes it as int64 words); every rank applies it to its ``InputBatch``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from pagoda.engine.scheduler import PENDING_TOKEN, SchedulerOutput
 
 
-@dataclass(frozen=True, slots=True)
-class PlannedRow:
-    """One scheduled sequence of a step."""
+class PlannedRow(NamedTuple):
+    """One scheduled sequence of a step (a tuple: cheap to make, for every row of every step)."""
 
     seq_id: int
     num_computed_tokens: int  # before this step
@@ -31,11 +31,11 @@ class PlannedRow:
     sample: bool  # the step computes the last known token: a token is sampled
     num_prompt_tokens: int
     num_preemptions: int  # decode graphs key their incremental block tables on (seq_id, this)
+    lora_int_id: int  # the LoRA adapter, 0 for the base model
+    wants_prompt_logprobs: bool
     first_sent: int  # the index in the sequence's token ids of ``tokens[0]``
-    tokens: tuple[int, ...]  # token ids from ``first_sent`` on that the runner has not had
-    block_tables: tuple[tuple[int, ...], ...]  # every KV cache group's table (group 0 first), whole
-    lora_int_id: int = 0  # the LoRA adapter, 0 for the base model
-    wants_prompt_logprobs: bool = False
+    tokens: list[int]  # token ids from ``first_sent`` on that the runner has not had
+    block_tables: tuple[list[int], ...]  # every KV cache group's table (group 0 first), whole
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,12 +67,17 @@ class StepPlanner:
         for it in out.scheduled:
             seq = it.seq
             token_ids = seq.token_ids
-            sent = 0 if one_off else sent_counts.get(seq.seq_id, 0)
-            if not one_off:  # a pending last token is sent again once it is known
-                sent_counts[seq.seq_id] = len(token_ids) - (bool(token_ids) and token_ids[-1] == PENDING_TOKEN)
-            tables = (tuple(seq.block_table), *(tuple(t) for t in seq.group_block_tables))
-            rows.append(PlannedRow(seq.seq_id, seq.num_computed_tokens, it.num_new_tokens, it.sample,
-                                   seq.num_prompt_tokens, seq.num_preemptions, sent, tuple(token_ids[sent:]), tables,
-                                   seq.lora_int_id, seq.wants_prompt_logprobs))
+            seq_id = seq.seq_id
+            if one_off:
+                sent = 0
+            else:  # a pending last token is sent again once it is known
+                sent = sent_counts.get(seq_id, 0)
+                sent_counts[seq_id] = len(token_ids) - (token_ids[-1] == PENDING_TOKEN)
+            groups = seq.group_block_tables
+            # (copies: the block manager goes on changing its lists while a plan may still be read)
+            tables = (seq.block_table[:], *(t[:] for t in groups)) if groups else (seq.block_table[:],)
+            rows.append(PlannedRow(seq_id, seq.num_computed_tokens, it.num_new_tokens, it.sample,
+                                   seq.num_prompt_tokens, seq.num_preemptions, seq.lora_int_id,
+                                   seq.wants_prompt_logprobs, sent, token_ids[sent:], tables))
         forgotten, self._forgotten = tuple(self._forgotten), []
         return StepPlan(tuple(rows), out.num_decodes, out.num_batched_tokens, forgotten, one_off)
