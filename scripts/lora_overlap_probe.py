@@ -51,42 +51,43 @@ def build(tokens: int, adapters: int, rank: int = 16):
 
 
 def variants(projections, slots, order, tiles, side: torch.cuda.Stream):
-    def base():
-        for p in projections:
-            torch.nn.functional.linear(p["x"], p["w"], out=p["y"])
+    """name -> a step: the variant's work for one projection, run over all of them."""
+    linear = torch.nn.functional.linear
 
-    def sequential():
-        for p in projections:
-            torch.nn.functional.linear(p["x"], p["w"], out=p["y"])
-            lora_fused(p["x"], p["y"], p["a"], p["b"], slots, order, tiles, p["pieces"])
+    def base(p):
+        linear(p["x"], p["w"], out=p["y"])
 
-    def overlapped():
+    def sequential(p):
+        linear(p["x"], p["w"], out=p["y"])
+        lora_fused(p["x"], p["y"], p["a"], p["b"], slots, order, tiles, p["pieces"])
+
+    def overlapped(p):
         main = torch.cuda.current_stream()
-        for p in projections:
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                p["delta"].zero_()
-                lora_fused(p["x"], p["delta"], p["a"], p["b"], slots, order, tiles, p["pieces"])
-            torch.nn.functional.linear(p["x"], p["w"], out=p["y"])
-            main.wait_stream(side)
-            p["y"].add_(p["delta"])
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            p["delta"].zero_()
+            lora_fused(p["x"], p["delta"], p["a"], p["b"], slots, order, tiles, p["pieces"])
+        linear(p["x"], p["w"], out=p["y"])
+        main.wait_stream(side)
+        p["y"].add_(p["delta"])
 
-    def stacked_gemm():
-        for p in projections:
-            torch.nn.functional.linear(p["x"], p["stacked"], out=p["out"])
+    def stacked_gemm(p):
+        linear(p["x"], p["stacked"], out=p["out"])
 
-    def stacked():
-        for p in projections:
-            torch.nn.functional.linear(p["x"], p["stacked"], out=p["out"])
-            lora_expand_stacked(p["out"], p["w"].shape[0], p["b"], slots, order, tiles, p["pieces"])
+    def stacked(p):
+        stacked_gemm(p)
+        return lora_expand_stacked(p["out"], p["w"].shape[0], p["b"], slots, order, tiles, p["pieces"])
 
-    def stacked_copy():
-        for p in projections:
-            torch.nn.functional.linear(p["x"], p["stacked"], out=p["out"])
-            p["y"].copy_(lora_expand_stacked(p["out"], p["w"].shape[0], p["b"], slots, order, tiles, p["pieces"]))
+    def stacked_copy(p):
+        p["y"].copy_(stacked(p))
 
-    return {"base": base, "sequential": sequential, "overlapped": overlapped, "stacked_gemm": stacked_gemm,
-            "stacked": stacked, "stacked_copy": stacked_copy}
+    def over_all(one):
+        def step():
+            for p in projections:
+                one(p)
+        return step
+
+    return {fn.__name__: over_all(fn) for fn in (base, sequential, overlapped, stacked_gemm, stacked, stacked_copy)}
 
 
 def replay_seconds(fn) -> float:
