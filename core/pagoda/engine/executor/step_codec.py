@@ -56,10 +56,13 @@ def decode_plan(words: np.ndarray) -> StepPlan:
     forgotten = tuple(words[pos:pos + num_forgotten].tolist())
     rows = []
     t = b = 0
-    for numbers, k, w in zip(table[:, :NUMBERS].tolist(), sent, widths):
-        seq_id, computed, num_new, sample, num_prompt, preemptions, lora, wants, first_sent = numbers
-        tables = tuple(blocks[b + g * w:b + (g + 1) * w] for g in range(groups))
-        rows.append(PlannedRow(seq_id, computed, num_new, bool(sample), num_prompt, preemptions, lora, bool(wants),
+    for (seq_id, computed, num_new, sample, num_prompt, preemptions, lora, wants, first_sent), k, w in zip(
+            table[:, :NUMBERS].tolist(), sent, widths):
+        if groups == 1:
+            tables = (blocks[b:b + w],)
+        else:
+            tables = tuple(blocks[b + g * w:b + (g + 1) * w] for g in range(groups))
+        rows.append(PlannedRow(seq_id, computed, num_new, sample == 1, num_prompt, preemptions, lora, wants == 1,
                                first_sent, tokens[t:t + k], tables))
         t += k
         b += w * groups
