@@ -5,8 +5,8 @@
 # prompts, with 0 (base only), 1, 4 and 16 distinct rank-16 adapters on every projection. Prints a table
 # last: output tok/s and the cost against the base (issue target: 16 adapters cost <= 20%).
 # "0e" (the base model with --enforce-eager) can be added to the counts for the cost of running eagerly;
-# a count may carry a variable for its run after a colon, e.g. "16:PAGODA_CUDA_LORA_STACKED_TOKENS=256" (steps
-# of up to 256 tokens through the stacked GEMM and its expand) beside "16" (the default);
+# a count may carry a variable for its run after a colon, e.g. "16:PAGODA_CUDA_LORA_STACKED_TOKENS=0" (every
+# step through lora_fused) beside "16" (the default: steps of up to 256 tokens through the stacked GEMM);
 # LORA_PROFILE=16 adds --profile (decode step breakdown) to the run with that many adapters.
 # LORA_KERNEL_BENCH="--only lora" (kernel_bench's arguments) times the LoRA kernels last: shrink+expand
 # against the fused kernel at each of Qwen3-0.6B's layers, with its tile sweep unless --no-sweep is given.
