@@ -23,10 +23,9 @@ from pagoda.engine.executor.failures import WorkerError, describe_exit, read_fai
 from pagoda.engine.executor.step_codec import decode_plan, encode_plan
 from pagoda.engine.executor.tensor_parallel import TensorParallelExecutor, _Run
 from pagoda.engine.executor.worker_main import serve_rank
-from pagoda.engine.input_batch import InputBatch
 from pagoda.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pagoda.engine.sequence import Sequence
-from pagoda.engine.step_plan import StepPlanner
+from pagoda.engine.step_plan import StepPlan, plan_step
 from pagoda.errors import ConfigError
 from pagoda.interfaces import Platform
 from pagoda.loader.lazy_tensor import LazyTensor
@@ -240,14 +239,14 @@ class _RecordingRunner:
     def __init__(self):
         self.log, self.sampler = [], None
 
-    def execute(self, out):
-        self.log.append(("execute", [(it.seq.seq_id, it.seq.token_ids[-1]) for it in out.scheduled]))
+    def execute(self, plan):
+        self.log.append(("execute", [(r.seq_id, r.tokens[-1]) for r in plan.rows]))
 
-    def launch(self, out, feed=None):
-        ids = torch.tensor([it.seq.token_ids[-1] for it in out.scheduled])
+    def launch(self, plan, feed=None):
+        ids = torch.tensor([r.tokens[-1] for r in plan.rows])
         if feed is not None:
             ids.index_copy_(0, feed.rows, feed.tokens.index_select(0, feed.indices))
-        self.log.append(("launch", [it.seq.num_computed_tokens for it in out.scheduled], ids.tolist()))
+        self.log.append(("launch", [r.num_computed_tokens for r in plan.rows], ids.tolist()))
         return SimpleNamespace(tokens=ids + 1)
 
     def collect_decode(self, pending):
@@ -285,7 +284,7 @@ def test_tp2_gpt_oss_with_window_groups(tmp_path):
 def test_pipelined_launches_reach_every_rank_with_its_own_device_tokens():
     """The step pipeline's protocol under tensor parallelism: a launched step fed from the previous
     launch's tokens reaches the other rank with the fed rows, which it fills from its own copy of those
-    tokens; the pending token the mirrors held is replaced by the real one with the next step."""
+    tokens; a row not fed carries its real token in the plan."""
     from pagoda.engine.pipeline import StepFeed
     from pagoda.engine.scheduler import PENDING_TOKEN
 
@@ -304,20 +303,20 @@ def test_pipelined_launches_reach_every_rank_with_its_own_device_tokens():
         for s in seqs:
             s.num_computed_tokens, s.block_table = 1, [s.seq_id % 7]
         out = SchedulerOutput([ScheduledSeq(s, 1, True) for s in seqs], 2, 2)
-        first = executor.launch(out)
+        first = executor.launch(plan_step(out))
         for s in seqs:  # Scheduler.advance: the step counts as computed, its token is pending
             s.num_computed_tokens += 1
             s.token_ids.append(PENDING_TOKEN)
-        second = executor.launch(out, feed(first, [0, 1]))  # before first's tokens are known
+        second = executor.launch(plan_step(out), feed(first, [0, 1]))  # before first's tokens are known
         for s, token in zip(seqs, executor.collect_decode(first)):  # Scheduler.commit
             s.token_ids[-1] = token
         for s in seqs:
             s.num_computed_tokens += 1
             s.token_ids.append(PENDING_TOKEN)
-        executor.launch(out, feed(second, [1]))  # only row 1 fed: row 0 keeps its host id
+        executor.launch(plan_step(out), feed(second, [1]))  # only row 1 fed: row 0 keeps its host id
         assert executor.allocate_kv_cache() == 7
         executor.forget(seqs[0].seq_id)
-        executor.execute(SchedulerOutput([ScheduledSeq(seqs[1], 1, True)], 1, 1))
+        executor.execute(plan_step(SchedulerOutput([ScheduledSeq(seqs[1], 1, True)], 1, 1)))
     finally:
         executor.shutdown()
         served.join(10)
@@ -325,94 +324,41 @@ def test_pipelined_launches_reach_every_rank_with_its_own_device_tokens():
     assert [e for e in worker.log if e[0] != "forget"] == [e for e in driver.log if e[0] != "forget"]
     assert [e[1:] for e in driver.log if e[0] == "launch"] == [([1, 1], [5, 5]), ([2, 2], [6, 6]),
                                                              ([3, 3], [PENDING_TOKEN, 7])]
-    assert ("forget", seqs[0].seq_id) in worker.log
+    assert ("forget", seqs[0].seq_id) in driver.log  # (rank 0's: the other ranks keep nothing per sequence)
 
 
-class Mirror:
-    """Rank 0's planner and another rank's InputBatch, with the plan crossing as int64 words between them."""
-
-    def __init__(self, lora_lookup=None):
-        self.planner, self.batch = StepPlanner(), InputBatch(lora_lookup)
-
-    def __call__(self, out, one_off=False):
-        plan = decode_plan(encode_plan(self.planner.plan(out, one_off)))
-        return self.batch.apply(plan), list(plan.forgotten)
+def _sent(plan):
+    """``plan`` as the other ranks receive it: through its int64 words."""
+    return decode_plan(encode_plan(plan))
 
 
-def test_pending_tokens_are_sent_again_once_known():
-    """A copy holds a pending token only until the next step: it is replaced by the real one, so a
-    sequence recomputed later (preemption) reads the right ids on every rank."""
+def test_a_plan_carries_what_the_step_computes():
+    """A step's plan holds the ids the step computes (a prefill chunk's, a decode's last token, a pending
+    token as it stands: the step pipeline feeds it from the device) and the whole block tables of every KV
+    cache group, and reaches the other ranks unchanged, without rank 0's sequences."""
     from pagoda.engine.scheduler import PENDING_TOKEN
-
-    mirror = Mirror()
-    a = Sequence("r", 0, [1, 2, 3], SamplingParams())
-    a.block_table = [0]
-    mirror(SchedulerOutput([ScheduledSeq(a, 3, True)], 0, 3))
-    a.num_computed_tokens = 3
-    a.token_ids.append(PENDING_TOKEN)
-    out, _ = mirror(SchedulerOutput([ScheduledSeq(a, 1, True)], 1, 1))
-    assert out.scheduled[0].seq.token_ids == [1, 2, 3, PENDING_TOKEN]
-    a.token_ids[-1] = 9
-    a.num_computed_tokens = 4
-    a.token_ids.append(PENDING_TOKEN)
-    out, _ = mirror(SchedulerOutput([ScheduledSeq(a, 1, True)], 1, 1))
-    assert out.scheduled[0].seq.token_ids == [1, 2, 3, 9, PENDING_TOKEN]
-    a.token_ids[-1] = 11
-    a.num_computed_tokens = 0  # preempted: recomputed from its tokens
-    out, _ = mirror(SchedulerOutput([ScheduledSeq(a, 5, True)], 0, 5))
-    assert out.scheduled[0].seq.token_ids == [1, 2, 3, 9, 11]
-
-
-def test_step_mirror_carries_every_kv_group_table():
-    a = Sequence("r", 0, [1, 2, 3, 4, 5], SamplingParams())
-    a.block_table, a.group_block_tables = [3, 4], [[-1, 6], [7, 8]]  # a released window block: -1
-    out, _ = Mirror()(SchedulerOutput([ScheduledSeq(a, 5, True)], 0, 5))
-    row = out.scheduled[0].seq
-    assert row.block_table == [3, 4] and row.group_block_tables == [[-1, 6], [7, 8]]
-
-
-def test_a_plan_with_no_rows_still_carries_the_forgotten_ids():
-    from pagoda.engine.step_plan import StepPlan
-
-    plan = decode_plan(encode_plan(StepPlan((), 0, 0, (5, 6))))
-    assert plan == StepPlan((), 0, 0, (5, 6))
-
-
-def test_step_mirror_tracks_sequences_across_steps():
-    """What another rank's InputBatch holds is what rank 0's sequences hold, step after step: counts,
-    tokens, tables, preemptions, adapters and prompt-logprob wishes; forgotten sequences leave it; a one-off
-    step (scoring) leaves nothing behind."""
     from pagoda.lora import LoRARequest
 
-    adapter = LoRARequest("ad", 3, "/nowhere")
-    mirror = Mirror(lora_lookup={3: adapter}.__getitem__)
     a = Sequence("r", 0, [1, 2, 3, 4, 5], SamplingParams())
-    b = Sequence("r", 1, [7, 8], SamplingParams(), lora_request=adapter)
+    b = Sequence("r", 1, [7, 8], SamplingParams(), lora_request=LoRARequest("ad", 3, "/nowhere"))
     b.wants_prompt_logprobs = True
-    a.block_table, b.block_table = [3, 4], [9]
-    steps = [SchedulerOutput([ScheduledSeq(a, 3, False), ScheduledSeq(b, 2, True)], 0, 5)]
-    for out in steps + [None]:
-        if out is None:  # the second step, after the first one's effects
-            a.num_computed_tokens, b.num_computed_tokens = 3, 2
-            b.append_token(42)
-            a.block_table, a.num_preemptions = [3, 5], 1  # e.g. after preemption
-            out = SchedulerOutput([ScheduledSeq(b, 1, True), ScheduledSeq(a, 2, True)], 1, 3)
-        copy, forgotten = mirror(out)
-        assert forgotten == []
-        for ours, theirs in zip(out.scheduled, copy.scheduled, strict=True):
-            s, m = ours.seq, theirs.seq
-            fields = ("seq_id", "token_ids", "num_tokens", "num_prompt_tokens", "num_computed_tokens", "block_table",
-                      "group_block_tables", "num_preemptions", "lora_request", "lora_int_id", "wants_prompt_logprobs")
-            assert [getattr(m, f) for f in fields] == [getattr(s, f) for f in fields]
-            assert (theirs.num_new_tokens, theirs.sample) == (ours.num_new_tokens, ours.sample)
-        assert (copy.num_decodes, copy.num_batched_tokens) == (out.num_decodes, out.num_batched_tokens)
-    c = Sequence("s", 2, [5, 6, 7], SamplingParams())
-    c.block_table = [11]
-    scored, _ = mirror(SchedulerOutput([ScheduledSeq(c, 3, False)], 0, 3), one_off=True)
-    assert scored.scheduled[0].seq.token_ids == [5, 6, 7] and c.seq_id not in mirror.batch.rows
-    mirror.planner.forget(b.seq_id)
-    _, forgotten = mirror(SchedulerOutput([ScheduledSeq(a, 1, True)], 1, 1))
-    assert forgotten == [b.seq_id] and set(mirror.batch.rows) == {a.seq_id}
+    a.block_table, a.group_block_tables = [3, 4], [[-1, 6], [7, 8]]  # a released window block: -1
+    b.block_table, b.group_block_tables = [9], [[10], [11]]
+    a.num_computed_tokens = 2
+    b.num_computed_tokens = 2
+    b.token_ids.append(PENDING_TOKEN)
+    plan = plan_step(SchedulerOutput([ScheduledSeq(b, 1, True), ScheduledSeq(a, 2, False)], 1, 3))
+    assert plan.sequences == (b, a) and plan.sampling_sequences() == [b]
+    first, second = plan.rows
+    assert first.tokens == [PENDING_TOKEN] and second.tokens == [3, 4]
+    assert (first.lora_int_id, first.wants_prompt_logprobs, first.sample) == (3, True, True)
+    assert second.block_tables == ([3, 4], [-1, 6], [7, 8])
+    received = _sent(plan)
+    assert received == StepPlan(plan.rows, 1, 3) and received.sampling_sequences() == []
+
+
+def test_a_plan_with_no_rows_reaches_the_other_ranks():
+    assert _sent(StepPlan((), 0, 0)) == StepPlan((), 0, 0)
 
 
 def test_lazy_tensor_reads_only_its_window(tmp_path):

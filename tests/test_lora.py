@@ -90,6 +90,7 @@ def test_decode_graph_inputs_carry_each_rows_adapter_slot(models, prompts):
     the slot of the row's adapter, -1 for base rows and for the bucket's padding rows, and the rows
     sorted by that slot (the order the LoRA kernels take them in)."""
     from pagoda.engine.graphs import DecodeGraphs
+    from pagoda.engine.step_plan import plan_step
 
     by_name = requests(models)
     llm = LLM(model=str(models[0]), device="cpu", dtype="float32", enable_lora=True, max_loras=2, block_size=8,
@@ -102,7 +103,7 @@ def test_decode_graph_inputs_carry_each_rows_adapter_slot(models, prompts):
     out = engine.scheduler.schedule()
     assert out.num_decodes == len(names)
     graphs = DecodeGraphs(engine.runner, 8, 112)
-    graphs._fill(out, 4)
+    graphs._fill(plan_step(out), 4)
     slots = engine.runner.lora.slots
     want = [slots[by_name[n].lora_int_id] if by_name[n] else -1 for n in names] + [-1]
     assert graphs.np64[2 + graphs.num_groups, :4].tolist() == want

@@ -252,10 +252,10 @@ from pagoda.engine.model_runner import ModelRunner
 
 real = ModelRunner.execute
 
-def execute(self, out):  # a failure no request can be blamed for: the model itself breaks
-    if any(it.seq.prompt_token_ids[:2] == [7, 7] for it in out.scheduled):
+def execute(self, plan):  # a failure no request can be blamed for: the model itself breaks
+    if any(row.num_computed_tokens == 0 and row.tokens[:2] == [7, 7] for row in plan.rows):
         raise RuntimeError("injected device failure")
-    return real(self, out)
+    return real(self, plan)
 
 ModelRunner.execute = execute
 sys.exit(main(sys.argv[1:]))

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from pagoda.engine.scheduler import SchedulerOutput
+from pagoda.engine.step_plan import StepPlan
 from pagoda.forward_context import AttentionMetadata, ForwardContext, prepared_context, set_forward_context
 from pagoda.lora.ops import max_tiles, token_tiles
 
@@ -112,11 +112,11 @@ class DecodeGraphs:
         groups = [(self.dev_tables[g].t()[:bucket], self.dev64[2 + g, :bucket]) for g in range(1, self.num_groups)]
         return ids, positions, slots, seq_lens, token_seq_lens, tables, groups
 
-    def can_run(self, out: SchedulerOutput) -> bool:
-        n = len(out.scheduled)
-        return 0 < n <= self.max_bs and out.num_decodes == n
+    def can_run(self, plan: StepPlan) -> bool:
+        n = len(plan.rows)
+        return 0 < n <= self.max_bs and plan.num_decodes == n
 
-    def _update_tables(self, seqs) -> int:
+    def _update_tables(self, rows) -> int:
         """Write changed block-table entries into the host table; return the widest row used.
         Between preemptions a sequence's block table only grows, so (seq_id, preemptions)
         names its contents up to the blocks already written."""
@@ -124,44 +124,45 @@ class DecodeGraphs:
         others = [(self.np_tables[g], g - 1) for g in range(1, self.num_groups)]
         owners, written = self.row_owner, self.row_blocks
         widest = 0
-        for i, s in enumerate(seqs):
-            bt = s.block_table
+        for i, r in enumerate(rows):
+            tables = r.block_tables
+            bt = tables[0]
             k = len(bt)
             if k > widest:
                 widest = k
-            owner = (s.seq_id, s.num_preemptions)
+            owner = (r.seq_id, r.num_preemptions)
             done = written[i]
             if owners[i] == owner and done <= k and (done == 0 or table[done - 1, i] == bt[done - 1]):
                 if k > done:  # new blocks only (a window's released entries are never read again)
                     table[done:k, i] = bt[done:k]
                     for other, g in others:
-                        other[done:k, i] = s.group_block_tables[g][done:k]
+                        other[done:k, i] = tables[g + 1][done:k]
                     written[i] = k
                 continue
             if k:  # released entries (NULL_BLOCK) as block 0: any valid id
                 table[:k, i] = np.maximum(bt, 0)
                 for other, g in others:
-                    other[:k, i] = np.maximum(s.group_block_tables[g], 0)
+                    other[:k, i] = np.maximum(tables[g + 1], 0)
             owners[i] = owner
             written[i] = k
         return min(widest, self.width)
 
-    def _fill(self, out: SchedulerOutput, bucket: int) -> int:
+    def _fill(self, plan: StepPlan, bucket: int) -> int:
         """Fill the host buffers for a step; return how many table rows to copy. A sequence whose
         last token is still on the device (``PENDING_TOKEN``, the step pipeline) gets it patched in
         on the device (``run``'s ``patch``)."""
-        n = len(out.scheduled)
+        rows = plan.rows
+        n = len(rows)
         h64, h32 = self.np64, self.np32
-        seqs = [it.seq for it in out.scheduled]
-        h64[0, :n] = [s.token_ids[-1] for s in seqs]
-        pos = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
+        h64[0, :n] = [r.tokens[0] for r in rows]
+        pos = np.fromiter((r.num_computed_tokens for r in rows), np.int64, n)
         h64[1, :n] = pos
-        widest = self._update_tables(seqs)
+        widest = self._update_tables(rows)
         block, rows = pos // self.block_size, np.arange(n)
         for g in range(self.num_groups):
             h64[2 + g, :n] = self.np_tables[g, block, rows].astype(np.int64) * self.block_size + pos % self.block_size
         if self.lora is not None:
-            lora_slots = self.lora.sequence_slots(out)
+            lora_slots = self.lora.sequence_slots(plan)
             h64[2 + self.num_groups, :n] = -1 if lora_slots is None else lora_slots
         h64[:2, n:bucket] = 0
         h64[2:, n:bucket] = -1
@@ -176,21 +177,21 @@ class DecodeGraphs:
         h32[1, n:bucket] = 1
         return max(widest, 1)
 
-    def run(self, out: SchedulerOutput, patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def run(self, plan: StepPlan, patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Replay the bucket's graph for a decode batch; returns logits [n, vocab] (static
         buffer, valid until the next replay). ``patch`` (rows, ids) on the device replaces the
         input ids of those rows (tokens a step launched before is still computing)."""
-        return self.replay(self.stage(out), patch)
+        return self.replay(self.stage(plan), patch)
 
-    def stage(self, out: SchedulerOutput) -> tuple[int, int]:
+    def stage(self, plan: StepPlan) -> tuple[int, int]:
         """The host half of ``run``: the batch's inputs written and their uploads queued (behind the
         work already on the stream, which includes the replay that reads the previous ones).
         Returns (rows, bucket) for ``replay``; no other replay may come between."""
-        n = len(out.scheduled)
+        n = len(plan.rows)
         bucket = next(s for s in self.buckets if s >= n)
         if self.copied is not None:  # the previous step's uploads must have left the host buffers
             self.copied.synchronize()
-        rows = self._fill(out, bucket)
+        rows = self._fill(plan, bucket)
         self.dev64.copy_(self.host64, non_blocking=True)
         self.dev32.copy_(self.host32, non_blocking=True)
         self.dev_tables[:, :rows].copy_(self.host_tables[:, :rows], non_blocking=True)

@@ -21,6 +21,7 @@ from pagoda.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from pagoda.engine.sequence import Request, Sequence, SequenceStatus
 from pagoda.engine.step_budget import choose_step_budget
 from pagoda.engine.step_completion import StepCompletion, StepTimes
+from pagoda.engine.step_plan import plan_step
 from pagoda.errors import ConfigError, RequestError
 from pagoda.layers.rotary import rope_parameters_of, uses_sequence_length
 from pagoda.loader.model_loader import load_config
@@ -278,7 +279,7 @@ class LLMEngine:
             outputs = self.speculative.step(out, finished_only, t0, t1)
             if outputs is not None:  # (None: nothing was drafted, a plain step)
                 return outputs
-        result = self.runner.execute(out)
+        result = self.runner.execute(plan_step(out))
         if result.prompt_logprobs:
             self.controls.record_prompt_logprobs(self.requests, {it.seq.seq_id: it.seq for it in out.scheduled},
                                                  result.prompt_logprobs)
@@ -331,7 +332,7 @@ class LLMEngine:
         try:
             seq.num_computed_tokens = 0  # compute every position, even a cached prefix
             out = SchedulerOutput([ScheduledSeq(seq, seq.num_tokens, True)], 0, seq.num_tokens)
-            return self.runner.forward_all_logits(out).cpu()
+            return self.runner.forward_all_logits(plan_step(out)).cpu()
         finally:
             self.block_manager.free(seq)
 

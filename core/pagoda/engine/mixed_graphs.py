@@ -30,7 +30,7 @@ import torch
 
 from pagoda.engine.graphs import capture_forward, timed
 from pagoda.engine.inputs import step_arrays
-from pagoda.engine.scheduler import SchedulerOutput
+from pagoda.engine.step_plan import StepPlan
 from pagoda.errors import ConfigError
 from pagoda.forward_context import AttentionMetadata, ForwardContext, prepared_context
 from pagoda.lora.ops import max_tiles, token_tiles
@@ -131,29 +131,29 @@ class MixedGraphs:
         t, s = self.max_tokens, self.max_seqs
         return buf[:t], buf[t:t + s + 1], buf[t + s + 1:]
 
-    def bucket_for(self, out: SchedulerOutput) -> int | None:
-        n = len(out.scheduled)
-        if out.num_decodes == n:  # (decode-only batches are pagoda.engine.graphs')
+    def bucket_for(self, plan: StepPlan) -> int | None:
+        n = len(plan.rows)
+        if plan.num_decodes == n:  # (decode-only batches are pagoda.engine.graphs')
             return None
-        tokens = sum(it.num_new_tokens for it in out.scheduled)
+        tokens = sum(r.num_new_tokens for r in plan.rows)
         bucket = next((b for b in self.buckets if tokens <= b and n <= self.capacity[b][1]), None)
         return bucket if bucket is not None and tokens >= self.least[bucket] else None
 
-    def can_run(self, out: SchedulerOutput) -> bool:
+    def can_run(self, plan: StepPlan) -> bool:
         """A batch with prefill chunks that fits a bucket and wants nothing a graph cannot give."""
-        if self.bucket_for(out) is None:
+        if self.bucket_for(plan) is None:
             return False
-        return not any(it.seq.wants_prompt_logprobs for it in out.scheduled[out.num_decodes:])
+        return not any(r.wants_prompt_logprobs for r in plan.rows[plan.num_decodes:])
 
     # ------------------------------------------------------------------ per step
-    def stage(self, out: SchedulerOutput) -> tuple[int, int]:
+    def stage(self, plan: StepPlan) -> tuple[int, int]:
         """The host half: the step's inputs written and their uploads queued. Returns (bucket, sampling rows)."""
-        bucket = self.bucket_for(out)
+        bucket = self.bucket_for(plan)
         tokens, seqs = self.capacity[bucket]
         if self.copied is not None:  # the previous step's uploads must have left the host buffers
             self.copied.synchronize()
-        a = step_arrays(out, self.block_size, num_groups=self.num_groups)  # tables as wide as this step needs
-        t, n, k = len(a.ids), len(out.scheduled), len(a.sample_rows)
+        a = step_arrays(plan, self.block_size, num_groups=self.num_groups)  # tables as wide as this step needs
+        t, n, k = len(a.ids), len(plan.rows), len(a.sample_rows)
         w = min(a.tables[0].shape[1], self.width)
         h64 = self.np64
         h64[0, :t], h64[1, :t] = a.ids, a.positions
@@ -163,7 +163,7 @@ class MixedGraphs:
         h64[2:, t:tokens] = -1  # padding tokens store nothing (and count for no expert)
         if self.lora is not None:  # each token's adapter slot, the tokens sorted by it, their tiles
             lora_row = 2 + self.num_groups
-            per_seq = self.lora.sequence_slots(out)
+            per_seq = self.lora.sequence_slots(plan)
             if per_seq is not None:
                 counts = np.diff(a.query_start_loc)
                 h64[lora_row, :t] = np.repeat(per_seq, counts)
@@ -188,7 +188,7 @@ class MixedGraphs:
             self.dev_tiles.copy_(self.host_tiles, non_blocking=True)
         ctx = self.contexts[bucket]
         for backend in self.runner.backends.values():
-            backend.fill_mixed_graph(ctx.attn_metadata.backend_data, a.query_start_loc, out.num_decodes)
+            backend.fill_mixed_graph(ctx.attn_metadata.backend_data, a.query_start_loc, plan.num_decodes)
         self.copied = self.runner.platform.record_event()
         return bucket, k
 
@@ -206,8 +206,8 @@ class MixedGraphs:
             self.runner.add_expert_counts(ctx)
         return self.runner.model.compute_logits(graph.output.index_select(0, self.dev_sample[:k]))
 
-    def run(self, out: SchedulerOutput) -> torch.Tensor:
-        return self.replay(self.stage(out))
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        return self.replay(self.stage(plan))
 
     # ------------------------------------------------------------------ capture
     def _context(self, bucket: int) -> tuple[ForwardContext, torch.Tensor, torch.Tensor]:

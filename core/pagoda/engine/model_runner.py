@@ -1,7 +1,8 @@
 """The ModelRunner owns device state: the model, the KV cache, static buffers and graphs.
 
-It turns each scheduled step into tensors, runs ``model.forward(input_ids, positions)``
-inside a ForwardContext, computes logits for the sampling rows and samples.
+It turns each step's plan (``pagoda.engine.step_plan``: plain data, the same on every rank) into tensors,
+runs ``model.forward(input_ids, positions)`` inside a ForwardContext, computes logits for the sampling rows
+and samples (rank 0, from the plan's sequences).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pagoda.config import EngineConfig
 from pagoda.engine.inputs import StepInputs, build_step_inputs
 from pagoda.engine.kv_groups import KVCacheLayout, plan_kv_layout
 from pagoda.engine.sampler import Sampler, SampleResult, fail_blocked, row_argmax
-from pagoda.engine.scheduler import SchedulerOutput
+from pagoda.engine.step_plan import StepPlan
 from pagoda.errors import ConfigError
 from pagoda.forward_context import ForwardContext, prepared_context, set_forward_context
 from pagoda.interfaces import AttentionBackend, AttentionSpec, Platform, supports_multimodal
@@ -196,13 +197,13 @@ class ModelRunner:
     # ------------------------------------------------------------------ execution
     # The pieces of an eager step, public for the other step drivers (speculative decoding, pooling, graphs):
     # inputs from a scheduled step, the forward context over them, the MoE layers' expert counts after.
-    def step_inputs(self, out: SchedulerOutput) -> StepInputs:
-        """``out``'s flat batch on the device (images and LoRA mappings included)."""
-        inputs = build_step_inputs(out, self.config.block_size, self.device, num_groups=self.kv_layout.num_groups)
+    def step_inputs(self, plan: StepPlan) -> StepInputs:
+        """``plan``'s flat batch on the device (images and LoRA mappings included)."""
+        inputs = build_step_inputs(plan, self.config.block_size, self.device, num_groups=self.kv_layout.num_groups)
         if self.multimodal is not None:  # 3-D positions, image rows (running the encoder for new images)
-            self.multimodal.prepare(out, inputs)
+            self.multimodal.prepare(plan, inputs)
         if self.lora is not None:
-            inputs.lora = self.lora.mapping(out)
+            inputs.lora = self.lora.mapping(plan)
         return inputs
 
     def forward_context(self, inputs: StepInputs) -> ForwardContext:
@@ -224,17 +225,15 @@ class ModelRunner:
             self.expert_counts[name] = counts.detach().clone() if acc is None else acc.add_(counts)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> SampleResult:
-        if self.graphs is not None and self.graphs.can_run(out):
-            logits = self.graphs.run(out)
-            seqs = [it.seq for it in out.scheduled]
-        elif self.mixed_graphs is not None and self.mixed_graphs.can_run(out):
-            logits = self.mixed_graphs.run(out)
-            seqs = [it.seq for it in out.scheduled if it.sample]
+    def execute(self, plan: StepPlan) -> SampleResult:
+        seqs = plan.sampling_sequences()
+        if self.graphs is not None and self.graphs.can_run(plan):
+            logits = self.graphs.run(plan)
+        elif self.mixed_graphs is not None and self.mixed_graphs.can_run(plan):
+            logits = self.mixed_graphs.run(plan)
         else:
-            inputs = self.step_inputs(out)
-            logits, prompt = self._forward(inputs, prompt_logprobs_of=out)
-            seqs = inputs.sample_seqs
+            inputs = self.step_inputs(plan)
+            logits, prompt = self._forward(inputs, prompt_logprobs_of=plan)
             if prompt:
                 result = self.sampler(logits[: len(seqs)], seqs) if seqs else SampleResult([], [])
                 result.prompt_logprobs = prompt
@@ -243,7 +242,7 @@ class ModelRunner:
             return SampleResult([], [])
         return self.sampler(logits[: len(seqs)], seqs)
 
-    def _forward(self, inputs: StepInputs, prompt_logprobs_of: SchedulerOutput | None = None, all_rows: bool = False,
+    def _forward(self, inputs: StepInputs, prompt_logprobs_of: StepPlan | None = None, all_rows: bool = False,
                  count_experts: bool = True) -> tuple[torch.Tensor, dict[int, list]]:
         """The one eager forward of every step form: (logits of the sampling rows, or of every row with
         ``all_rows``; the prompt logprobs of ``prompt_logprobs_of``'s sequences that want them). The
@@ -257,18 +256,18 @@ class ModelRunner:
             self.add_expert_counts(ctx)
         return logits, prompt
 
-    def prompt_logprobs(self, out: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor) -> dict[int, list]:
+    def prompt_logprobs(self, plan: StepPlan, inputs: StepInputs, hidden: torch.Tensor) -> dict[int, list]:
         """Prompt logprobs of the sequences that want them, over the prompt positions this step
         computes: logits in slices of PROMPT_LOGITS_ROWS rows (a long prompt's [T, vocab] at once
         would not fit), each rank computing the same slices (the logits are a collective)."""
         found: dict[int, list] = {}
         qsl = inputs.meta.query_start_loc_cpu
-        for i, it in enumerate(out.scheduled):
-            seq = it.seq
-            if not seq.wants_prompt_logprobs:
+        for i, row in enumerate(plan.rows):
+            if not row.wants_prompt_logprobs:
                 continue
-            start = seq.num_computed_tokens
-            end = min(start + it.num_new_tokens, seq.num_prompt_tokens - 1)  # position p predicts p + 1
+            seq = plan.sequences[i] if plan.sequences else None  # (rank 0's: the prompt ids it scores)
+            start = row.num_computed_tokens
+            end = min(start + row.num_new_tokens, row.num_prompt_tokens - 1)  # position p predicts p + 1
             for s in range(start, end, PROMPT_LOGITS_ROWS):
                 row = qsl[i] + s - start
                 count = min(PROMPT_LOGITS_ROWS, end - s)
@@ -279,22 +278,22 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ pipelined steps
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput, feed=None, staged=None) -> PendingDecode:
+    def launch(self, plan: StepPlan, feed=None, staged=None) -> PendingDecode:
         """Start a greedy step without waiting for it (``pagoda.engine.pipeline``): graphs for a
         decode batch they hold, else eagerly. The tokens of the sampling rows stay on the
         device and are copied to the host in the background. ``feed`` (``pagoda.engine.pipeline.
         StepFeed``): the input ids of decode ``feed.rows`` are ``feed.tokens[feed.indices]`` (a
-        previous step's tokens, not yet on the host). ``staged``: ``stage_launch(out)``'s, if done already."""
-        logits, seqs = self._launch_forward(out, feed, staged)
-        return self._pending_tokens(row_argmax(logits[:len(seqs)]), len(seqs))
+        previous step's tokens, not yet on the host). ``staged``: ``stage_launch(plan)``'s, if done already."""
+        logits, n = self._launch_forward(plan, feed, staged)
+        return self._pending_tokens(row_argmax(logits[:n]), n)
 
     @torch.inference_mode()
-    def launch_logits(self, out: SchedulerOutput, feed=None, staged=None) -> PendingLogits:
+    def launch_logits(self, plan: StepPlan, feed=None, staged=None) -> PendingLogits:
         """Start a step as ``launch`` does, leaving the choice of its tokens to ``sample_launched``
         (rows that sample on the device: random, or constrained by a grammar whose mask needs the
         previous step's tokens)."""
-        logits, seqs = self._launch_forward(out, feed, staged)
-        return PendingLogits(logits[:len(seqs)], seqs)
+        logits, n = self._launch_forward(plan, feed, staged)
+        return PendingLogits(logits[:n], plan.sampling_sequences())
 
     @torch.inference_mode()
     def sample_launched(self, launched: PendingLogits) -> PendingDecode:
@@ -305,28 +304,28 @@ class ModelRunner:
         return pending
 
     @torch.inference_mode()
-    def stage_launch(self, out: SchedulerOutput) -> tuple:
-        """The host work of launching ``out`` that needs no token of the step before it (its inputs built
+    def stage_launch(self, plan: StepPlan) -> tuple:
+        """The host work of launching ``plan`` that needs no token of the step before it (its inputs built
         and their uploads queued), done while that step's tokens are still being chosen
         (``pagoda.engine.pipeline``); ``launch`` / ``launch_logits`` with ``staged`` then only patch the
         fed ids and start the forward. Nothing else may launch in between."""
-        if self.graphs is not None and self.graphs.can_run(out):
-            return "graph", self.graphs.stage(out)
-        if self.mixed_graphs is not None and self.mixed_graphs.can_run(out):
-            return "mixed", self.mixed_graphs.stage(out)
-        return "eager", self.step_inputs(out)
+        if self.graphs is not None and self.graphs.can_run(plan):
+            return "graph", self.graphs.stage(plan)
+        if self.mixed_graphs is not None and self.mixed_graphs.can_run(plan):
+            return "mixed", self.mixed_graphs.stage(plan)
+        return "eager", self.step_inputs(plan)
 
-    def _launch_forward(self, out: SchedulerOutput, feed, staged=None) -> tuple[torch.Tensor, list]:
-        """(logits whose first rows are the sampling rows', the sampling sequences) of a launched step."""
-        kind, prepared = staged if staged is not None else self.stage_launch(out)
+    def _launch_forward(self, plan: StepPlan, feed, staged=None) -> tuple[torch.Tensor, int]:
+        """(logits whose first rows are the sampling rows', how many rows sample) of a launched step."""
+        kind, prepared = staged if staged is not None else self.stage_launch(plan)
         patch = None if feed is None or kind == "eager" else (feed.rows, feed.tokens.index_select(0, feed.indices))
-        if kind == "graph":
-            return self.graphs.replay(prepared, patch=patch), [it.seq for it in out.scheduled]
-        if kind == "mixed":
-            return self.mixed_graphs.replay(prepared, patch=patch), [it.seq for it in out.scheduled if it.sample]
+        if kind == "graph":  # (staged: (rows, bucket); every row of a decode batch samples)
+            return self.graphs.replay(prepared, patch=patch), prepared[0]
+        if kind == "mixed":  # (staged: (bucket, sampling rows))
+            return self.mixed_graphs.replay(prepared, patch=patch), prepared[1]
         if feed is not None:
             prepared.input_ids.index_copy_(0, feed.rows, feed.tokens.index_select(0, feed.indices))
-        return self._forward(prepared)[0], prepared.sample_seqs
+        return self._forward(prepared)[0], prepared.sample_indices.shape[0]
 
     def _pending_tokens(self, tokens: torch.Tensor, n: int, flags: torch.Tensor | None = None) -> PendingDecode:
         """A launched step's tokens [n] (and grammar rows' flags), copied to a page-locked host buffer in
@@ -352,9 +351,9 @@ class ModelRunner:
         return values[: pending.num_seqs]
 
     @torch.inference_mode()
-    def forward_all_logits(self, out: SchedulerOutput) -> torch.Tensor:
+    def forward_all_logits(self, plan: StepPlan) -> torch.Tensor:
         """Logits of every scheduled token (tests and scoring): [T, vocab] float32."""
-        return self._forward(self.step_inputs(out), all_rows=True, count_experts=False)[0].float()
+        return self._forward(self.step_inputs(plan), all_rows=True, count_experts=False)[0].float()
 
     def forget(self, seq_id: int) -> None:
         """A sequence finished or was aborted: drop its per-sequence state."""

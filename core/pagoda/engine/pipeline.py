@@ -47,6 +47,7 @@ import torch
 
 from pagoda.engine.model_runner import PendingLogits
 from pagoda.engine.scheduler import PENDING_TOKEN, SchedulerOutput
+from pagoda.engine.step_plan import plan_step
 from pagoda.kernels.host_upload import upload
 
 
@@ -70,7 +71,10 @@ class StepPipeline:
     def _launch(self, launcher, out: SchedulerOutput, feed=None, staged=None):
         begin = None if self.timeline is None else self.timeline.mark()
         # (only the single-device runner stages launches; tensor-parallel executors take no ``staged``)
-        pending = launcher(out, feed) if staged is None else launcher(out, feed, staged=staged)
+        if staged is None:
+            pending = launcher(plan_step(out), feed)
+        else:  # (the plan the launch was staged from, and what staging prepared)
+            pending = launcher(staged[0], feed, staged=staged[1])
         if begin is not None:
             self.timeline.add(out, begin, self.timeline.mark())
         return pending
@@ -153,7 +157,9 @@ class StepPipeline:
                 # waiting for the host in between.
                 nxt = self._schedule_ahead(ahead_ok)
                 if nxt is not None:
-                    staged, index = runner.stage_launch(nxt[0]), self._feed_index(nxt[0], out, runner.device)
+                    plan = plan_step(nxt[0])
+                    staged = plan, runner.stage_launch(plan)
+                    index = self._feed_index(nxt[0], out, runner.device)
             pending = self._sampled(launched)  # (the grammars took the previous step's tokens)
             if not early:
                 nxt = self._schedule_ahead(ahead_ok)

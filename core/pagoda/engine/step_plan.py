@@ -1,17 +1,18 @@
-"""A scheduled step as plain data: what a runner that keeps its own copy of every live sequence
-(``pagoda.engine.input_batch``) needs to run it. No torch, no live objects.
+"""A scheduled step as plain data: everything a runner reads to build the step's inputs, on any rank.
+No torch, no live objects in what travels.
 
-``StepPlanner`` (next to the scheduler, one per runner that keeps a copy) turns a ``SchedulerOutput``
-into a ``StepPlan``: per scheduled sequence its counts, its whole block tables, and only the token ids
-the runner has not had yet — all of them the first time, the ones appended since on later steps. A
-``PENDING_TOKEN`` (the step pipeline's stand-in for a token still on the device) is sent again, as the
-real token, with the next step (``PlannedRow.first_sent`` says where the sent ids start, so the runner
-overwrites its pending copy). Block tables travel whole: preemption, prefix caching and released
-window blocks rewrite them. Sequences the engine forgot since the last plan are listed in
-``forgotten``, so the runner drops their copies.
+``plan_step(out)`` turns the scheduler's ``SchedulerOutput`` into a ``StepPlan``: per scheduled sequence
+its counts, whether it samples, its adapter, its block tables and the token ids this step computes
+(``token_ids[num_computed_tokens:num_computed_tokens + num_new_tokens]``; a ``PENDING_TOKEN`` where the
+previous step's token is still on the device: the step pipeline feeds it from there). Nothing is
+remembered between steps, so any step driver (the engine, speculative decoding, pooling, scoring) makes
+its plan the same way, and the tensor-parallel executor sends the plan as it is to the other ranks
+(``pagoda.engine.executor.step_codec``). Block tables travel whole: preemption, prefix caching and
+released window blocks rewrite them (decode graphs still copy only what changed to the device).
 
-The tensor-parallel executor sends each plan to the other ranks (``pagoda.engine.executor.step_codec``
-writes it as int64 words); every rank applies it to its ``InputBatch``.
+The sampler is the one part that still reads live sequences: ``StepPlan.sequences`` holds rank 0's
+``Sequence`` of each row (sampling parameters, grammars, seeds, the prompt ids prompt logprobs score);
+it is never sent, and other ranks do not sample.
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from pagoda.engine.scheduler import PENDING_TOKEN, SchedulerOutput
+from pagoda.engine.scheduler import SchedulerOutput
 
 
 class PlannedRow(NamedTuple):
     """One scheduled sequence of a step (a tuple: cheap to make, for every row of every step)."""
 
-    seq_id: int
+    seq_id: int | tuple  # (speculative verification rows: (seq_id, draft position))
     num_computed_tokens: int  # before this step
     num_new_tokens: int  # tokens this step computes
     sample: bool  # the step computes the last known token: a token is sampled
@@ -33,9 +34,12 @@ class PlannedRow(NamedTuple):
     num_preemptions: int  # decode graphs key their incremental block tables on (seq_id, this)
     lora_int_id: int  # the LoRA adapter, 0 for the base model
     wants_prompt_logprobs: bool
-    first_sent: int  # the index in the sequence's token ids of ``tokens[0]``
-    tokens: list[int]  # token ids from ``first_sent`` on that the runner has not had
-    block_tables: tuple[list[int], ...]  # every KV cache group's table (group 0 first), whole
+    tokens: list[int]  # the ids this step computes, one per new token
+    block_tables: tuple[list[int], ...]  # every KV cache group's table (group 0 first), whole (read-only)
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.block_tables[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,41 +47,30 @@ class StepPlan:
     rows: tuple[PlannedRow, ...]  # decodes first, then prefill chunks (the scheduler's order)
     num_decodes: int
     num_batched_tokens: int
-    forgotten: tuple[int, ...] = ()  # seq ids the engine dropped since the last plan: runners drop theirs
-    one_off: bool = False  # a step whose sequences the runner does not keep (scoring a prompt)
+    sequences: tuple = ()  # rank 0's Sequence of each row, for sampling (never sent to other ranks)
+
+    def sampling_sequences(self) -> list:
+        """Rank 0's sequences of the rows that sample, in row order (none on other ranks)."""
+        if not self.sequences:
+            return []
+        return [seq for seq, row in zip(self.sequences, self.rows) if row.sample]
 
 
-class StepPlanner:
-    """Remembers how many tokens of each sequence a runner's copy holds (rank 0 of a tensor-parallel run
-    plans for the other ranks' copies)."""
-
-    def __init__(self) -> None:
-        self._sent: dict[int, int] = {}
-        self._forgotten: list[int] = []
-
-    def forget(self, seq_id: int) -> None:
-        if self._sent.pop(seq_id, None) is not None:
-            self._forgotten.append(seq_id)
-
-    def plan(self, out: SchedulerOutput, one_off: bool = False) -> StepPlan:
-        """``out`` as plain data. ``one_off``: a step whose sequences the runner does not keep (every token
-        is sent, nothing is remembered)."""
-        rows = []
-        sent_counts = self._sent
-        for it in out.scheduled:
-            seq = it.seq
-            token_ids = seq.token_ids
-            seq_id = seq.seq_id
-            if one_off:
-                sent = 0
-            else:  # a pending last token is sent again once it is known
-                sent = sent_counts.get(seq_id, 0)
-                sent_counts[seq_id] = len(token_ids) - (token_ids[-1] == PENDING_TOKEN)
-            groups = seq.group_block_tables
-            # (copies: the block manager goes on changing its lists while a plan may still be read)
-            tables = (seq.block_table[:], *(t[:] for t in groups)) if groups else (seq.block_table[:],)
-            rows.append(PlannedRow(seq_id, seq.num_computed_tokens, it.num_new_tokens, it.sample,
-                                   seq.num_prompt_tokens, seq.num_preemptions, seq.lora_int_id,
-                                   seq.wants_prompt_logprobs, sent, token_ids[sent:], tables))
-        forgotten, self._forgotten = tuple(self._forgotten), []
-        return StepPlan(tuple(rows), out.num_decodes, out.num_batched_tokens, forgotten, one_off)
+def plan_step(out: SchedulerOutput) -> StepPlan:
+    """``out`` as plain data. The rows hold the sequences' own block-table lists (a copy of every table on every
+    step cost more than the rest of the row): a plan is read before the scheduler runs again, which is when
+    the block manager changes them."""
+    rows = []
+    seqs = []
+    new_row = tuple.__new__  # (PlannedRow's own __new__ is one Python call more per row)
+    for it in out.scheduled:
+        seq = it.seq
+        start, count = seq.num_computed_tokens, it.num_new_tokens
+        groups = seq.group_block_tables
+        lora = seq.lora_request
+        rows.append(new_row(PlannedRow, (
+            seq.seq_id, start, count, it.sample, len(seq.prompt_token_ids), seq.num_preemptions,
+            0 if lora is None else lora.lora_int_id, seq.wants_prompt_logprobs, seq.token_ids[start:start + count],
+            (seq.block_table, *groups) if groups else (seq.block_table,))))
+        seqs.append(seq)
+    return StepPlan(tuple(rows), out.num_decodes, out.num_batched_tokens, tuple(seqs))

@@ -127,22 +127,21 @@ class LoRAManager:
             self.slots[lora_id] = slot
         return {i: self.slots[i] for i in wanted}
 
-    def sequence_slots(self, out) -> np.ndarray | None:
-        """The slot of each scheduled sequence's adapter (-1: the base), its adapters made
-        resident; None when no sequence uses one."""
-        requests = [it.seq.lora_request for it in out.scheduled if it.seq.lora_request is not None]
-        if not requests:
+    def sequence_slots(self, plan) -> np.ndarray | None:
+        """The slot of each planned row's adapter (-1: the base), its adapters made resident (registered
+        here by ``load``: the plan names them by id); None when no row uses one."""
+        ids = [r.lora_int_id for r in plan.rows]
+        if not any(ids):
             return None
-        slots = self.activate(requests)
-        return np.fromiter((-1 if it.seq.lora_request is None else slots[it.seq.lora_request.lora_int_id]
-                            for it in out.scheduled), np.int64, len(out.scheduled))
+        slots = self.activate([self.known[i] for i in dict.fromkeys(ids) if i])
+        return np.fromiter((slots[i] if i else -1 for i in ids), np.int64, len(ids))
 
-    def mapping(self, out) -> LoRAMapping | None:
-        """The step's token -> slot map (None when no scheduled sequence uses an adapter)."""
-        per_seq = self.sequence_slots(out)
+    def mapping(self, plan) -> LoRAMapping | None:
+        """The step's token -> slot map (None when no planned row uses an adapter)."""
+        per_seq = self.sequence_slots(plan)
         if per_seq is None:
             return None
-        counts = np.fromiter((it.num_new_tokens for it in out.scheduled), np.int64, len(out.scheduled))
+        counts = np.fromiter((r.num_new_tokens for r in plan.rows), np.int64, len(plan.rows))
         token_slots = np.repeat(per_seq, counts)
         order = np.argsort(token_slots, kind="stable")
         tiles = token_tiles(token_slots[order])

@@ -63,32 +63,30 @@ class MultiModalStep:
         self.device = device
         self.cache = EncoderCache()
 
-    def prepare(self, out, inputs) -> None:
+    def prepare(self, plan, inputs) -> None:
         """Set ``inputs.positions`` to [3, T] when a sequence of the step has 3-D positions and
-        ``inputs.model_kwargs["image_embeds"]`` when the step computes image tokens."""
-        items = out.scheduled
+        ``inputs.model_kwargs["image_embeds"]`` when the step computes image tokens (the images are the
+        plan's sequences': one device, where rank 0's sequences are at hand)."""
         qsl = inputs.meta.query_start_loc_cpu
-        spans = []  # (item, row of its first token, first token index, count)
-        for i, it in enumerate(items):
-            spans.append((it, qsl[i], it.seq.num_computed_tokens, it.num_new_tokens))
-        if not any(it.seq.mm_inputs is not None for it in items):
+        spans = []  # (its sequence's images, row of its first token, first token index, count, seq_id)
+        for i, (r, seq) in enumerate(zip(plan.rows, plan.sequences)):
+            spans.append((seq.mm_inputs, qsl[i], r.num_computed_tokens, r.num_new_tokens, r.seq_id))
+        if not any(mm is not None for mm, *_ in spans):
             return
-        if any(it.seq.mm_inputs is not None and it.seq.mm_inputs.positions is not None for it in items):
+        if any(mm is not None and mm.positions is not None for mm, *_ in spans):
             positions = np.empty((3, qsl[-1]), np.int64)
-            for it, row, start, k in spans:
-                mm = it.seq.mm_inputs
+            for mm, row, start, k, _ in spans:
                 positions[:, row:row + k] = np.arange(start, start + k) if mm is None or mm.positions is None \
                     else mm.positions_for(start, start + k)
             inputs.positions = upload(positions, self.device)
-        wanted = []  # (seq, image, row in step, first row of the image's embeddings, count)
-        for it, row, start, k in spans:
-            mm = it.seq.mm_inputs
-            if mm is None or it.seq.num_computed_tokens >= len(mm.prompt_token_ids):
+        wanted = []  # (seq_id, image, row in step, first row of the image's embeddings, count)
+        for mm, row, start, k, seq_id in spans:
+            if mm is None or start >= len(mm.prompt_token_ids):
                 continue
             for im in mm.images:
                 lo, hi = max(im.offset, start), min(im.end, start + k)
                 if lo < hi:
-                    wanted.append((it.seq, im, row + lo - start, lo - im.offset, hi - lo))
+                    wanted.append((seq_id, im, row + lo - start, lo - im.offset, hi - lo))
         if not wanted:
             return
         self._encode_missing(wanted)
@@ -100,10 +98,10 @@ class MultiModalStep:
 
     def _encode_missing(self, wanted) -> None:
         new, seqs = {}, {}
-        for seq, im, *_ in wanted:
-            if self.cache.get(im.hash, seq.seq_id) is None:
+        for seq_id, im, *_ in wanted:
+            if self.cache.get(im.hash, seq_id) is None:
                 new.setdefault(im.hash, im.image)
-                seqs.setdefault(im.hash, []).append(seq.seq_id)
+                seqs.setdefault(im.hash, []).append(seq_id)
         if not new:
             return
         outputs = self.model.encode_images(list(new.values()))

@@ -18,6 +18,7 @@ import torch
 from pagoda.engine.prompt_ids import check_prompt_ids
 from pagoda.engine.prompt_ids import prompt_token_ids as prompt_ids
 from pagoda.engine.sequence import Request, Sequence, SequenceStatus
+from pagoda.engine.step_plan import plan_step
 from pagoda.errors import RequestError
 from pagoda.forward_context import set_forward_context
 from pagoda.pooling.heads import build_score_head
@@ -171,7 +172,7 @@ class PoolingEngine:
 def forward_hidden(runner, out) -> tuple[torch.Tensor, list[int]]:
     """Hidden states [T, H] (after the final norm) of every scheduled token, and the first row of
     each scheduled sequence."""
-    inputs = runner.step_inputs(out)
+    inputs = runner.step_inputs(plan_step(out))
     ctx = runner.forward_context(inputs)
     with set_forward_context(ctx):
         hidden = runner.model(inputs.input_ids, inputs.positions)

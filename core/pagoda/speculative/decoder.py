@@ -23,6 +23,7 @@ import torch
 from pagoda.engine.detokenizer import PREFIX_WINDOW
 from pagoda.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pagoda.engine.sequence import Sequence, SequenceStatus
+from pagoda.engine.step_plan import plan_step
 from pagoda.errors import ConfigError
 from pagoda.forward_context import set_forward_context
 from pagoda.speculative.acceptance import accept_greedy, accept_sampled, processed_rows, sampling_probs
@@ -223,7 +224,8 @@ class SpeculativeDecoder:
         verified sequence, the last one of the others); rows[j]: the logits rows of sampling
         item j; the step's prompt logprobs; the hidden states [T, H] and each item's first row."""
         runner = self.engine.runner
-        inputs = runner.step_inputs(vout)
+        plan = plan_step(vout)  # (the drafts are in token_ids until the step has run)
+        inputs = runner.step_inputs(plan)
         qsl = inputs.meta.query_start_loc_cpu
         flat, rows = [], []
         for i, it in enumerate(vout.scheduled):
@@ -237,7 +239,7 @@ class SpeculativeDecoder:
             hidden = runner.model(inputs.input_ids, inputs.positions)
             logits = runner.model.compute_logits(hidden.index_select(0, torch.tensor(flat, dtype=torch.long,
                                                                                      device=hidden.device)))
-            prompt = runner.prompt_logprobs(vout, inputs, hidden)
+            prompt = runner.prompt_logprobs(plan, inputs, hidden)
         runner.add_expert_counts(ctx)
         return logits, rows, prompt, hidden, qsl
 

@@ -20,6 +20,7 @@ import torch
 from pagoda.engine.block_manager import BlockManager
 from pagoda.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pagoda.engine.sequence import Sequence, SequenceStatus
+from pagoda.engine.step_plan import plan_step
 from pagoda.errors import ConfigError
 from pagoda.forward_context import set_forward_context
 from pagoda.logits_processors import process_row
@@ -180,9 +181,10 @@ class DraftModelProposer:
     def _forward(self, out: SchedulerOutput) -> torch.Tensor:
         """The draft's logits [n, V] at the last scheduled token of each sequence of ``out``."""
         runner = self.runner
-        if runner.graphs is not None and runner.graphs.can_run(out):
-            return runner.graphs.run(out)
-        inputs = runner.step_inputs(out)
+        plan = plan_step(out)
+        if runner.graphs is not None and runner.graphs.can_run(plan):
+            return runner.graphs.run(plan)
+        inputs = runner.step_inputs(plan)
         with set_forward_context(runner.forward_context(inputs)):
             hidden = runner.model(inputs.input_ids, inputs.positions)
             return runner.model.compute_logits(hidden.index_select(0, inputs.sample_indices))

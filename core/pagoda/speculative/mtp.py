@@ -22,6 +22,7 @@ import torch
 
 from pagoda.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pagoda.engine.sequence import Sequence, SequenceStatus
+from pagoda.engine.step_plan import plan_step
 from pagoda.errors import ConfigError
 from pagoda.forward_context import set_forward_context
 from pagoda.speculative.config import SpeculativeConfig
@@ -168,7 +169,7 @@ class MTPProposer(DraftModelProposer):
     def _forward_mtp(self, out: SchedulerOutput, previous_hidden: torch.Tensor):
         """(output hidden, logits) at the last scheduled token of each shadow of ``out``."""
         runner = self.runner
-        inputs = runner.step_inputs(out)
+        inputs = runner.step_inputs(plan_step(out))
         runner.model.previous_hidden = previous_hidden
         try:
             with set_forward_context(runner.forward_context(inputs)):

@@ -10,60 +10,47 @@ which a chunked verification (the prefill path) cannot.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from pagoda.engine.inputs import build_step_inputs
-from pagoda.engine.scheduler import ScheduledSeq, SchedulerOutput
+from pagoda.engine.scheduler import SchedulerOutput
+from pagoda.engine.step_plan import PlannedRow, StepPlan
 from pagoda.forward_context import set_forward_context
 
 
-@dataclass(slots=True, eq=False)
-class DecodeRow:
-    """What a decode step reads of a sequence, for one position of a verified sequence."""
-
-    seq_id: tuple[int, int]  # (sequence, position in the verification): the graphs' table-row owner
-    token_ids: list[int]  # [the token computed at this row's position]
-    num_computed_tokens: int
-    num_tokens: int
-    num_prompt_tokens: int
-    block_table: list[int]
-    group_block_tables: list[list[int]] = field(default_factory=list)
-    num_preemptions: int = 0
-
-
-def decode_rows(vout: SchedulerOutput, drafts: dict[int, list[int]]) -> tuple[SchedulerOutput, list[list[int]]]:
-    """The decode batch of a decode-only verification step, and per sampling item its rows."""
-    items, rows = [], []
+def decode_rows(vout: SchedulerOutput, drafts: dict[int, list[int]]) -> tuple[StepPlan, list[list[int]]]:
+    """The decode batch of a decode-only verification step, and per sampling item its rows. A verified
+    sequence's row j is owned by (seq_id, j), the key decode graphs keep its block-table row under."""
+    planned, rows = [], []
     for it in vout.scheduled:
         seq = it.seq
         d = drafts.get(seq.seq_id)
-        if d is None:
-            rows.append([len(items)])
-            items.append(it)
-            continue
         base = seq.num_computed_tokens  # the sequence's last known token is computed at this position
+        tables = (seq.block_table, *seq.group_block_tables)
+        if d is None:
+            rows.append([len(planned)])
+            planned.append(PlannedRow(seq.seq_id, base, 1, True, seq.num_prompt_tokens, seq.num_preemptions,
+                                      seq.lora_int_id, False, seq.token_ids[base:base + 1], tables))
+            continue
         tokens = seq.token_ids[base:base + 1 + len(d)]  # (token_ids holds the drafts during the step)
-        rows.append(list(range(len(items), len(items) + len(tokens))))
+        rows.append(list(range(len(planned), len(planned) + len(tokens))))
         for j, token in enumerate(tokens):
-            row = DecodeRow((seq.seq_id, j), [token], base + j, base + j + 1, seq.num_prompt_tokens,
-                            seq.block_table, seq.group_block_tables, seq.num_preemptions)
-            items.append(ScheduledSeq(row, 1, True))
-    return SchedulerOutput(items, len(items), len(items)), rows
+            planned.append(PlannedRow((seq.seq_id, j), base + j, 1, True, seq.num_prompt_tokens, seq.num_preemptions,
+                                      seq.lora_int_id, False, [token], tables))
+    return StepPlan(tuple(planned), len(planned), len(planned)), rows
 
 
 @torch.inference_mode()
 def forward_as_decodes(runner, vout: SchedulerOutput, drafts: dict[int, list[int]], eager: bool = False):
     """(logits [R, V] of every row, rows per sampling item) for a decode-only step: a replay of the
     decode graphs when they hold the rows, else (``eager``) an eager decode step, else None."""
-    rows_out, rows = decode_rows(vout, drafts)
+    plan, rows = decode_rows(vout, drafts)
     graphs = runner.graphs
-    if graphs is not None and graphs.can_run(rows_out):
-        return graphs.run(rows_out), rows
+    if graphs is not None and graphs.can_run(plan):
+        return graphs.run(plan), rows
     if not eager:
         return None
-    inputs = build_step_inputs(rows_out, runner.config.block_size, runner.device,
+    inputs = build_step_inputs(plan, runner.config.block_size, runner.device,
                                num_groups=runner.kv_layout.num_groups)
     ctx = runner.forward_context(inputs)
     with set_forward_context(ctx):

@@ -54,9 +54,10 @@ def capture_attention(llm, token_ids: list[int]) -> AttentionCapture:
         raise ConfigError(f"the KV cache cannot hold a {n}-token prompt; give it more blocks (num_kv_blocks)")
     try:
         from pagoda.engine.inputs import build_step_inputs
+        from pagoda.engine.step_plan import plan_step
 
         out = SchedulerOutput([ScheduledSeq(seq, n, True)], 0, n)
-        inputs = build_step_inputs(out, engine.config.block_size, runner.device,
+        inputs = build_step_inputs(plan_step(out), engine.config.block_size, runner.device,
                                    num_groups=runner.kv_layout.num_groups)
         ctx = prepared_context(inputs.meta, runner.backends, token_seq_lens=inputs.token_seq_lens,
                                attention_probe=probe, group_tables=inputs.group_tables)

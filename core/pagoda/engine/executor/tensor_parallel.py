@@ -51,7 +51,6 @@ from pagoda.engine.executor.failures import (
 )
 from pagoda.engine.executor.rank_runner import build_rank_runner
 from pagoda.engine.executor.step_codec import encode_plan
-from pagoda.engine.step_plan import StepPlanner
 from pagoda.errors import ConfigError
 from pagoda.interfaces import Platform
 
@@ -226,40 +225,39 @@ class TensorParallelExecutor:
         self.driver = driver
         self.run = run
         self.world_size = run.world_size
-        self.planner = StepPlanner()  # what the other ranks' InputBatch copies hold
         self._finalizer = weakref.finalize(self, run.close)
 
     # ------------------------------------------------------------------ the runner's interface
     @torch.inference_mode()
-    def execute(self, out):
-        words = encode_plan(self.planner.plan(out))
+    def execute(self, plan):
+        words = encode_plan(plan)
         with self._collective("a model step"):
             self.run.channel.send_words(words, StepMode.EXECUTE)
-            return self.driver.execute(out)
+            return self.driver.execute(plan)
 
     @torch.inference_mode()
-    def launch(self, out, feed=None):
+    def launch(self, plan, feed=None):
         """The step pipeline (``pagoda.engine.pipeline``): every rank launches the step (graphs or
         eager); fed rows take each rank's own tokens of the previous launch, which agree because
         every rank argmaxes the same gathered logits."""
-        words = encode_plan(self.planner.plan(out))
+        words = encode_plan(plan)
         k = 0 if feed is None else feed.host.shape[1]
         if k:
             words = np.concatenate([words, feed.host.reshape(-1)])
         with self._collective("a launched step"):
             self.run.channel.send_words(words, StepMode.LAUNCH, k)
-            return self.driver.launch(out, feed)
+            return self.driver.launch(plan, feed)
 
     def collect_decode(self, pending) -> list[int]:
         with self._collective("a decode step"):
             return self.driver.collect_decode(pending)
 
     @torch.inference_mode()
-    def forward_all_logits(self, out) -> torch.Tensor:
-        words = encode_plan(self.planner.plan(out, one_off=True))
+    def forward_all_logits(self, plan) -> torch.Tensor:
+        words = encode_plan(plan)
         with self._collective("scoring a prompt"):
             self.run.channel.send_words(words, StepMode.ALL_LOGITS)
-            return self.driver.forward_all_logits(out)
+            return self.driver.forward_all_logits(plan)
 
     def allocate_kv_cache(self) -> int:
         """Every rank allocates the same number of blocks: the least any rank can hold."""
@@ -272,7 +270,6 @@ class TensorParallelExecutor:
 
     def forget(self, seq_id: int) -> None:
         self.driver.forget(seq_id)
-        self.planner.forget(seq_id)
 
     @property
     def sampler(self):

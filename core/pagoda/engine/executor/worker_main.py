@@ -21,7 +21,6 @@ import numpy as np
 from pagoda.engine.executor.control import ControlChannel, Kind, StepMode
 from pagoda.engine.executor.step_codec import decode_plan
 from pagoda.engine.gc_freeze import freeze_startup_objects
-from pagoda.engine.input_batch import InputBatch
 from pagoda.engine.pipeline import StepFeed
 from pagoda.engine.sampler import SampleResult
 from pagoda.kernels.host_upload import upload
@@ -41,7 +40,7 @@ class NoSampling:
     def __call__(self, logits, seqs) -> SampleResult:
         return SampleResult([], [])
 
-    def prompt_logprobs(self, logits, spans) -> dict:
+    def prompt_logprobs(self, logits, seq, first) -> dict:
         return {}
 
     def forget(self, seq_id: int) -> None:
@@ -60,8 +59,6 @@ def _feed(launched, fed, k: int):
 def serve_rank(runner: Any, channel: ControlChannel) -> None:
     """Run steps and calls from rank 0 until it sends STOP."""
     runner.sampler = NoSampling()
-    lora = getattr(runner, "lora", None)  # enable_lora: adapters registered by rank 0's load_lora calls
-    batch = InputBatch(lora_lookup=None if lora is None else lora.known.__getitem__)  # this rank's copies
     launched = None  # the last launch's PendingDecode (its tokens feed the next launch's pending rows)
     stepping = False
     while True:
@@ -76,15 +73,12 @@ def serve_rank(runner: Any, channel: ControlChannel) -> None:
             if mode == StepMode.LAUNCH and arg:  # the fed rows' (rows, indices) end the payload
                 fed, payload = payload[len(payload) - 2 * arg:], payload[:len(payload) - 2 * arg]
             plan = decode_plan(payload)
-            for seq_id in plan.forgotten:
-                runner.forget(seq_id)
-            out = batch.apply(plan)
             if mode == StepMode.EXECUTE:
-                runner.execute(out)
+                runner.execute(plan)
             elif mode == StepMode.LAUNCH:
-                launched = runner.launch(out, None if fed is None else _feed(launched, fed, arg))
+                launched = runner.launch(plan, None if fed is None else _feed(launched, fed, arg))
             else:
-                runner.forward_all_logits(out)
+                runner.forward_all_logits(plan)
         else:
             name, args, kwargs = payload
             channel.send_result(getattr(runner, name)(*args, **kwargs))
