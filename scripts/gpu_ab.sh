@@ -2,14 +2,17 @@
 # The working tree against an earlier commit on the same lent GPU, runs interleaved: did a change lose speed?
 # Installs this tree into $SITE and the tree under $BASE_TREE (an export of the earlier commit) into
 # $SITE_BASE, then runs each benchmark ROUNDS times per tree, alternating trees, and prints a table last
-# (also in $OUT/summary.txt). Benchmarks: qwen3-0.6b throughput (the shared/BENCH_ANCHORS.md workload)
-# and decode latency at batch 1 and 8 (512 in, 128 out). About 6 minutes on an H200 with ROUNDS=2.
+# (also in $OUT/summary.txt). Benchmarks: qwen3-0.6b throughput (the shared/BENCH_ANCHORS.md workload),
+# decode latency at batch 1 and 8 (512 in, 128 out), and with STRUCTURED=1 issue 16's server ratio
+# (scripts/gpu_structured.sh: xgrammar, 4 client processes, 2 pairs). About 4 minutes on an H100 with ROUNDS=2,
+# throughput and batch 1 only; a structured round about 70 s a tree.
 #
 # Before the call, on the development machine:
 #   mkdir -p .whl && cp /work/shared/gpu-wheels/*.whl .whl/            # once; .whl/ is git-ignored
 #   rm -rf .ab && mkdir -p .ab/base && git archive BASE_COMMIT | tar -x -C .ab/base   # .ab/ is git-ignored
 # Run (device tool, carry [".whl", ".ab"]): bash scripts/gpu_ab.sh
-# Settings: ROUNDS=2 SHAPE=qwen3-0.6b THROUGHPUT=1 LATENCY_BATCHES="1 8" BENCH_TIMEOUT=240 BASE_TREE=.ab/base
+# Settings: ROUNDS=2 SHAPE=qwen3-0.6b THROUGHPUT=1 LATENCY_BATCHES="1 8" STRUCTURED=0 BENCH_TIMEOUT=240
+#   BASE_TREE=.ab/base
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/out/ab}
@@ -18,8 +21,9 @@ LOG="$OUT/ab.log"
 ROUNDS=${ROUNDS:-2}
 SHAPE=${SHAPE:-qwen3-0.6b}
 THROUGHPUT=${THROUGHPUT:-1}
-LATENCY_BATCHES=${LATENCY_BATCHES:-"1 8"}
+LATENCY_BATCHES=${LATENCY_BATCHES-"1 8"}  # (empty: none)
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-240}
+STRUCTURED=${STRUCTURED:-0}
 BASE_TREE=${BASE_TREE:-.ab/base}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -54,12 +58,19 @@ run_one() {  # tree name round
       PYTHONPATH="$path" timeout "$BENCH_TIMEOUT" $PY -m pagoda.cli.main bench latency --shape "$SHAPE" \
         --batch-size "$batch" --input-len 512 --output-len 128 --num-iters 3 --num-iters-warmup 1 \
         --max-num-seqs "$batch" --json "$OUT/$tree-$name-$round.json" >>"$LOG" 2>&1 || say "  failed (exit $?)" ;;
+    structured)
+      say "$tree: structured outputs through the server, round $round"
+      PYTHONPATH="$path" SKIP_INSTALL=1 OUT="$OUT/structured-$tree-$round" BACKENDS=xgrammar OFFLINE=0 \
+        CLIENT_PROCESSES=4 REPEATS=2 timeout $((BENCH_TIMEOUT + 60)) bash scripts/gpu_structured.sh >>"$LOG" 2>&1
+      cp "$OUT/structured-$tree-$round/bench-xgrammar-c4.json" "$OUT/$tree-structured-$round.json" 2>/dev/null \
+        || say "  failed (see $OUT/structured-$tree-$round)" ;;
   esac
 }
 
 names=()
 [ "$THROUGHPUT" = 1 ] && names+=(throughput)
 for b in $LATENCY_BATCHES; do names+=("latency-b$b"); done
+[ "$STRUCTURED" = 1 ] && names+=(structured)
 for round in $(seq 1 "$ROUNDS"); do
   for name in "${names[@]}"; do
     if [ $((round % 2)) = 1 ]; then order="base tree"; else order="tree base"; fi
@@ -77,10 +88,13 @@ for path in sorted(glob.glob(os.path.join(out, "*.json"))):
     data = json.load(open(path))
     if name == "throughput":
         value = round(data["best"]["output_tok_s"])  # output tok/s, best of the bench's runs
+    elif name == "structured":  # JSON-schema tok/s / unconstrained tok/s (median of the pairs), mask ms/step
+        value = (data.get("ratio_to_unconstrained"), round(data["output_tokens_per_s"]),
+                 round(data["unconstrained"]["output_tokens_per_s"]), (data.get("grammar_mask") or {}).get("ms_per_step"))
     else:
         value = round(data["requests_ms"]["itl"]["p50"], 3)  # p50 inter-token latency, ms
     rows.setdefault(name, {}).setdefault(tree, []).append(value)
-print("| benchmark (throughput: output tok/s; latency: p50 ITL ms) | base (each round) | this tree (each round) |")
+print("| benchmark (throughput: output tok/s; latency: p50 ITL ms; structured: ratio, JSON tok/s, plain tok/s, mask ms/step) | base (each round) | this tree (each round) |")
 print("| --- | --- | --- |")
 for name, trees in rows.items():
     print(f"| {name} | {trees.get('base')} | {trees.get('tree')} |")

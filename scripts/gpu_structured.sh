@@ -20,6 +20,7 @@
 #   ENGINE_PROCESS="1" (1: the engine in its own process, pagoda serve's default; 0: on a thread of the server,
 #   --no-engine-process; "0 1": one server each, in that order, results bench-<backend>-c<N>[-thread].json)
 #   CLIENT_PROCESSES="1" (bench serve --client-processes; several values: one bench each, bench-<backend>-c<N>.json)
+#   SKIP_INSTALL=1 (use the pagoda already importable; scripts/gpu_ab.sh sets it)
 #   OFFLINE=1 (first the engine alone: pagoda bench throughput, unconstrained and --structured-outputs json,
 #   at the same concurrency; offline-*.json)
 set -uo pipefail
@@ -40,8 +41,10 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 T0=$(date +%s)
 say() { echo "[structured +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
 
-# shellcheck source=scripts/gpu_install.sh
-. scripts/gpu_install.sh
+if [ "${SKIP_INSTALL:-0}" != 1 ]; then  # (1: the pagoda already importable, e.g. gpu_ab.sh's trees)
+  # shellcheck source=scripts/gpu_install.sh
+  . scripts/gpu_install.sh
+fi
 MODEL=/tmp/pagoda-structured-qwen3
 $PY scripts/structured_model.py "$MODEL" 2>&1 | tee -a "$LOG"
 if [ "${OFFLINE:-1}" = 1 ]; then  # the engine alone (LLM.generate), same requests: unconstrained, then constrained

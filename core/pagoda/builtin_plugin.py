@@ -64,6 +64,8 @@ def register_kernels(register):
         register(op, "*", f"pagoda.kernels.reference:{op}", priority=0)
     for op in ("lora_shrink", "lora_expand"):  # pagoda.lora.ops, the batched LoRA update
         register(op, "*", f"pagoda.lora.ops:{op}", priority=0)
+    # grammar masks on logits (structured outputs): xgrammar's own function, any device
+    register("apply_token_bitmask", "*", "pagoda.structured_outputs.masking:apply_token_bitmask", priority=0)
     for op in ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "store_kv_cache"):
         register(op, "cpu", f"pagoda.kernels.cpu_ops:{op}", priority=1)  # float32, one C call each
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -173,26 +175,45 @@ def fill_bitmasks(matchers: list[tuple[GrammarMatcher, int]], bitmask: torch.Ten
     BatchGrammarMatcher, llguidance's parallel fill) works on its own threads without the GIL, so a
     batch of constrained rows costs about one row's time per core, not one row's time each. Raises if
     any row fails; the caller then fills row by row to find it."""
+    prepared_fill(matchers, bitmask)()
+
+
+def prepared_fill(matchers: list[tuple[GrammarMatcher, int]], bitmask: torch.Tensor) -> Callable[[], None]:
+    """``fill_bitmasks`` with its arguments made now: the call left runs little Python before the libraries'
+    native fill, which releases the GIL (a fill on a worker thread holds the GIL, the engine thread waiting,
+    only that long)."""
     by_kind: dict[type, list[tuple[GrammarMatcher, int]]] = {}
     for matcher, row in matchers:
         by_kind.setdefault(type(matcher), []).append((matcher, row))
+    calls = []
     for kind, group in by_kind.items():
         if kind is _XGrammarMatcher and len(group) > 1:
-            words = group[0][0].words
-            if words == bitmask.shape[1]:
-                _xgrammar_batch().batch_fill_next_token_bitmask([m.inner for m, _ in group], bitmask,
-                                                                indices=[r for _, r in group])
+            batch, inners = _xgrammar_batch(), [m.inner for m, _ in group]
+            if group[0][0].words == bitmask.shape[1]:
+                calls.append(partial(batch.batch_fill_next_token_bitmask, inners, bitmask,
+                                     indices=[r for _, r in group]))
             else:
-                part = torch.empty((len(group), words), dtype=torch.int32)
-                _xgrammar_batch().batch_fill_next_token_bitmask([m.inner for m, _ in group], part)
-                _place(bitmask, [r for _, r in group], part)
+                calls.append(partial(_fill_narrow, batch, inners, group[0][0].words, bitmask, [r for _, r in group]))
         elif kind is _LLGuidanceMatcher and len(group) > 1:
             from llguidance.torch import fill_next_token_bitmask_par
 
-            fill_next_token_bitmask_par(_llguidance_executor(), [(m.inner, r) for m, r in group], bitmask)
+            calls.append(partial(fill_next_token_bitmask_par, _llguidance_executor(),
+                                 [(m.inner, r) for m, r in group], bitmask))
         else:
-            for matcher, row in group:
-                matcher.fill_bitmask(bitmask, row)
+            calls.extend(partial(matcher.fill_bitmask, bitmask, row) for matcher, row in group)
+    return calls[0] if len(calls) == 1 else partial(_call_each, calls)
+
+
+def _call_each(calls: list[Callable[[], None]]) -> None:
+    for call in calls:
+        call()
+
+
+def _fill_narrow(batch, inners: list, words: int, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """xgrammar's rows over the tokenizer's ids, into rows of ``bitmask`` wider than that."""
+    part = torch.empty((len(inners), words), dtype=torch.int32)
+    batch.batch_fill_next_token_bitmask(inners, part)
+    _place(bitmask, rows, part)
 
 
 def _place(bitmask: torch.Tensor, rows: list[int], part: torch.Tensor) -> None:

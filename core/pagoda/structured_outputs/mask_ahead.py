@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from pagoda.structured_outputs.backends import GrammarMatcher, fill_bitmasks
+from pagoda.structured_outputs.backends import GrammarMatcher, prepared_fill
 
 logger = logging.getLogger("pagoda")
 
@@ -78,7 +78,13 @@ class MaskAhead:
         words = {getattr(m, "words", None) for m in live}
         width = min(words.pop() if len(words) == 1 and None not in words else self.width, self.width)
         bitmask = self._buffer(len(live), width)  # (every row written whole)
-        self._job = self._pool.submit(_fill, [(m, i) for i, m in enumerate(live)], bitmask)
+        try:  # (the fill's arguments made here: the worker goes straight to the library's native fill)
+            fill = prepared_fill([(m, i) for i, m in enumerate(live)], bitmask)
+        except Exception as exc:  # noqa: BLE001 - the sampler's own fill reports it per row
+            logger.debug("grammar masks not filled ahead (%s); the step fills them", exc)
+            self._rows, self._matchers = {}, []
+            return
+        self._job = self._pool.submit(_fill, fill, bitmask)
         # The worker needs the GIL to start the fill (whose native part then runs without it): hand it
         # over now, or it waits until this thread next blocks, which is the sampler's wait for this fill
         # (measured: a fill started ahead of 3 ms of the engine's host work was not begun by then).
@@ -131,8 +137,8 @@ class MaskAhead:
             self._pool = None
 
 
-def _fill(pairs: list[tuple[GrammarMatcher, int]], bitmask: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
-    fill_bitmasks(pairs, bitmask)
+def _fill(fill: Callable[[], None], bitmask: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
+    fill()
     return bitmask, none_left(bitmask)
 
 

@@ -4,8 +4,9 @@ The sampler hands over its constrained rows; each row's mask comes from the fill
 that is still valid, else it is filled here (a request's first constrained step, a stale or failed fill
 ahead). The rows go to the device as they lie in the host buffer, narrower than the logits when the
 library writes only the tokenizer's ids (xgrammar): the logits past them, ids a model pads its
-vocabulary with, are set to -inf apart. xgrammar's kernel applies the masks in place (its CUDA/Triton
-path, or its CPU path), for both backends' masks (the same int32 bit layout).
+vocabulary with, are set to -inf apart. xgrammar's kernel applies the masks in place (the kernel op
+``apply_token_bitmask``: xgrammar's CPU path, or on CUDA its Triton kernel, launched by pagoda-cuda), for
+both backends' masks (the same int32 bit layout).
 
 A row whose mask allows no token at all is known on the host, from the mask itself: its request fails
 (``fail_blocked`` in the sampler) without a read from the device.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagoda import kernels
 from pagoda.kernels.host_upload import upload
 from pagoda.structured_outputs import backends
 from pagoda.structured_outputs.backends import GrammarMatcher
@@ -65,16 +67,15 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[tuple[int, GrammarMatch
     device = host.to(logits.device, non_blocking=True) if extra is None else upload(host.numpy(), logits.device)
     targets = [row for row, _, _ in rows]
     # the kernel's rows (padded where its kernel is Triton's: _kernel_rows), uploaded once for both uses below
-    index = _on(logits.device, targets if logits.device.type == "cpu" else _kernel_rows(targets), np.int32)
+    index = _rows_on(logits.device, targets if logits.device.type == "cpu" else _kernel_rows(targets))
     if source != targets:  # rows in another order than the logits': place them
         placed = torch.empty((logits.shape[0], words), dtype=torch.int32, device=logits.device)
         placed[index[:len(targets)]] = device[_on(logits.device, source)]
         device = placed
-    import xgrammar as xgr
-
-    xgr.apply_token_bitmask_inplace(logits, device, vocab_size=min(logits.shape[-1], 32 * words), indices=index)
-    if 32 * words < logits.shape[-1]:  # ids past the tokenizer's: never allowed
-        logits[index, 32 * words:] = float("-inf")
+    vocab = min(logits.shape[-1], 32 * words)
+    kernels.get_op("apply_token_bitmask")(logits, device, index, vocab)
+    if vocab < logits.shape[-1]:  # ids past the tokenizer's: never allowed (a slice of rows: no index_put)
+        logits[backends.row_index(targets), vocab:] = float("-inf")
     return blocked
 
 
@@ -91,6 +92,28 @@ def _kernel_rows(targets: list[int]) -> list[int]:
     constrained step."""
     pad = -len(targets) % KERNEL_ROWS
     return targets + targets[-1:] * pad
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor, vocab_size: int) -> None:
+    """The kernel op ``apply_token_bitmask`` (the reference, every platform): ``logits[r, t] = -inf`` for each
+    row ``r`` of ``rows`` (int32, on the logits' device) and each id ``t < vocab_size`` whose bit in
+    ``bitmask[r]`` (int32 words, on the same device) is 0: xgrammar's ``apply_token_bitmask_inplace``, its CPU
+    path or its kernel for the device. pagoda-cuda registers a launch of the same Triton kernel without the
+    wrapper's work per call (device queries, a copy of the row index)."""
+    import xgrammar as xgr
+
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows)
+
+
+_last_rows: list = [None, None]  # (device, rows) and their tensor: a batch's constrained rows rarely change
+
+
+def _rows_on(device, rows: list[int]) -> torch.Tensor:
+    """``rows`` as int32 on ``device``, the last upload reused while the rows stay the same (read only)."""
+    key = (device, rows)
+    if _last_rows[0] != key:
+        _last_rows[:] = [key, _on(device, rows, np.int32)]
+    return _last_rows[1]
 
 
 def _words(matcher: GrammarMatcher, width: int) -> int:

@@ -28,6 +28,7 @@ KERNELS = {
     "lora_expand": "pagoda_cuda.ops.lora:lora_expand",
     "lora_fused": "pagoda_cuda.ops.lora:lora_fused",
     "lora_expand_stacked": "pagoda_cuda.ops.lora:lora_expand_stacked",
+    "apply_token_bitmask": "pagoda_cuda.ops.grammar:apply_token_bitmask",
     # pagoda-quant's ops (its formats; references in pagoda_quant.kernels.reference): used only when
     # pagoda-quant's methods run, so pagoda-quant need not be installed for the rest
     "fp8_linear": "pagoda_cuda.quant.dispatch:fp8_linear",
