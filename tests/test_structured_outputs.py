@@ -337,6 +337,33 @@ def test_masks_over_the_tokenizers_ids_forbid_the_padded_vocabulary(tokenizer, a
     ahead.close()
 
 
+def test_consecutive_rows_reuse_their_index_and_forbid_the_padded_vocabulary(tokenizer):
+    """The usual batch (constrained rows 0..n-1, step after step): the rows' index goes to the device once and
+    is reused while the rows stay the same, and the padded ids are forbidden through a slice of rows; each step's
+    masks are still its own."""
+    from pagoda.structured_outputs import masking
+
+    manager = StructuredOutputManager("xgrammar", tokenizer, VOCAB, [tokenizer.eos_token_id])
+    regex = manager.compile(StructuredOutputsParams(regex="(ab|cd)+!"))
+    first, second = regex.matcher(), regex.matcher()
+    model_words = first.words + 5
+    seen = []
+    for token in "ab":
+        logits = torch.zeros(3, 32 * model_words)
+        assert masking.apply_grammar_masks(logits, [(0, first, None), (1, second, None)], None, {}) == []
+        seen.append(masking._last_rows[0][1])
+        for row, matcher in ((0, first), (1, second)):
+            want = torch.zeros(1, first.words, dtype=torch.int32)
+            matcher.fill_bitmask(want, 0)
+            allowed = {t for t in range(32 * first.words) if int(want[0, t // 32]) >> (t % 32) & 1}
+            assert {int(t) for t in torch.nonzero(logits[row] == 0).flatten()} == allowed
+        assert bool((logits[2] == 0).all())
+        assert first.accept(tokenizer.convert_tokens_to_ids(token))  # the next step's mask differs
+    assert seen[0] is seen[1]
+    masking.apply_grammar_masks(torch.zeros(3, 32 * model_words), [(2, second, None)], None, {})
+    assert masking._last_rows[0][1] is not seen[0] and masking._last_rows[0][1].tolist() == [2]
+
+
 def test_the_mask_kernel_gets_a_row_count_padded_to_sixteen():
     """xgrammar's CUDA kernel (Triton) compiles a variant per kind of row count: the rows it is given are
     always a multiple of 16, the padding a repeat of a row already masked (masking it twice is a no-op)."""

@@ -105,15 +105,19 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows)
 
 
-_last_rows: list = [None, None]  # (device, rows) and their tensor: a batch's constrained rows rarely change
+_last_rows: list = [((None, None), None)]  # ((device, rows), their tensor): a batch's constrained rows rarely change
 
 
 def _rows_on(device, rows: list[int]) -> torch.Tensor:
-    """``rows`` as int32 on ``device``, the last upload reused while the rows stay the same (read only)."""
+    """``rows`` as int32 on ``device``, the last upload reused while the rows stay the same (read only; the
+    key and its tensor are one tuple, read and replaced whole, so engines on other threads cannot mix them)."""
     key = (device, rows)
-    if _last_rows[0] != key:
-        _last_rows[:] = [key, _on(device, rows, np.int32)]
-    return _last_rows[1]
+    last = _last_rows[0]
+    if last[0] == key:
+        return last[1]
+    tensor = _on(device, rows, np.int32)
+    _last_rows[0] = (key, tensor)
+    return tensor
 
 
 def _words(matcher: GrammarMatcher, width: int) -> int:
