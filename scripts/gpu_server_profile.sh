@@ -8,11 +8,13 @@
 # Results in $OUT (default out/server-profile): <mode>-server.txt / <mode>-client.txt (py-spy's raw
 # collapsed stacks), <mode>-bench.json, profile.log.
 # Before the call: the .whl/ set-up of gpu_structured.sh, plus
-#   pip download --no-deps --only-binary=:all: --platform manylinux_2_17_x86_64 -d .whl py-spy
+#   pip download --no-deps --only-binary=:all: --platform manylinux2014_x86_64 -d .whl py-spy
 # Run (device tool, carry [".whl"]): bash scripts/gpu_server_profile.sh     (about 3 minutes)
 # Settings: NUM_REQUESTS=256 CONCURRENCY=64 MAX_TOKENS=256 PROMPT_LEN=64 MODES="none json" RATE=200 (samples/s)
-#   SERVE_ARGS="" (extra arguments of pagoda serve)  SPY_ARGS="" (extra py-spy arguments, e.g. --gil: only the
-#   thread holding the GIL is sampled)  CLIENT_PROCESSES=1 (bench serve --client-processes; py-spy follows the first)
+#   SERVE_ARGS="" (extra arguments of pagoda serve)
+#   SPY_ARGS="--subprocesses" (py-spy's arguments: the engine runs in its own process, which py-spy follows only
+#   with --subprocesses; add e.g. --gil: only the thread holding the GIL is sampled)
+#   CLIENT_PROCESSES=1 (bench serve --client-processes; py-spy follows the first)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/server-profile}
@@ -47,7 +49,7 @@ say "py-spy attaches to a running server: $ATTACH"
 for mode in ${MODES:-none json}; do
   say "serve ($mode)"
   SPY=()
-  [ "$ATTACH" = 1 ] || SPY=(py-spy record -r "$RATE" -f raw -o "$OUT/$mode-server.txt" --threads ${SPY_ARGS:-} --)
+  [ "$ATTACH" = 1 ] || SPY=(py-spy record -r "$RATE" -f raw -o "$OUT/$mode-server.txt" --threads ${SPY_ARGS---subprocesses} --)
   # shellcheck disable=SC2086
   "${SPY[@]}" $PY -m pagoda.cli.main serve --model "$MODEL" --load-format dummy --port "$PORT" \
     --max-num-seqs 128 ${SERVE_ARGS:-} >>"$LOG" 2>&1 &
@@ -62,7 +64,7 @@ for mode in ${MODES:-none json}; do
   $PY -m pagoda.cli.main bench serve --url "http://127.0.0.1:$PORT" --concurrency "$CONCURRENCY" \
     --num-requests "$CONCURRENCY" --max-tokens 16 --prompt-len "$PROMPT_LEN" "${so[@]}" >/dev/null 2>>"$LOG"
   if [ "$ATTACH" = 1 ]; then
-    py-spy record -r "$RATE" -f raw -o "$OUT/$mode-server.txt" --threads ${SPY_ARGS:-} --pid "$SERVER" >>"$LOG" 2>&1 &
+    py-spy record -r "$RATE" -f raw -o "$OUT/$mode-server.txt" --threads ${SPY_ARGS---subprocesses} --pid "$SERVER" >>"$LOG" 2>&1 &
     sleep 1
   fi
   py-spy record -r "$RATE" -f raw -o "$OUT/$mode-client.txt" -- $PY -m pagoda.cli.main bench serve \
