@@ -25,8 +25,8 @@ from pagoda.structured_outputs import masking
 from pagoda.structured_outputs.mask_ahead import MaskAhead
 
 TIMED = {Sampler: ["select_on_device", "_special", "_processed", "_noise"],
-         StepPipeline: ["step", "_launcher", "_feed_index"],
-         ModelRunner: ["launch_logits", "launch", "sample_launched", "collect_decode", "_pending_tokens"],
+         StepPipeline: ["step", "_how", "_feed_index"],
+         ModelRunner: ["launch", "choose_on_device", "collect", "_send_tokens"],
          StepCompletion: ["complete", "_detokenize", "mark_scheduled"],
          MaskAhead: ["start", "take", "wait"],
          Scheduler: ["schedule", "advance", "commit"],

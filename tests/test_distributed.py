@@ -239,18 +239,18 @@ class _RecordingRunner:
     def __init__(self):
         self.log, self.sampler = [], None
 
-    def execute(self, plan):
-        self.log.append(("execute", [(r.seq_id, r.tokens[-1]) for r in plan.rows]))
-
-    def launch(self, plan, feed=None):
+    def launch(self, plan, feed=None, how="host"):
+        if how == "host":
+            self.log.append(("execute", [(r.seq_id, r.tokens[-1]) for r in plan.rows]))
+            return None
         ids = torch.tensor([r.tokens[-1] for r in plan.rows])
         if feed is not None:
             ids.index_copy_(0, feed.rows, feed.tokens.index_select(0, feed.indices))
         self.log.append(("launch", [r.num_computed_tokens for r in plan.rows], ids.tolist()))
         return SimpleNamespace(tokens=ids + 1)
 
-    def collect_decode(self, pending):
-        return pending.tokens.tolist()
+    def collect(self, pending):
+        return SimpleNamespace(tokens=pending.tokens.tolist())
 
     def forget(self, seq_id):
         self.log.append(("forget", seq_id))
@@ -303,20 +303,20 @@ def test_pipelined_launches_reach_every_rank_with_its_own_device_tokens():
         for s in seqs:
             s.num_computed_tokens, s.block_table = 1, [s.seq_id % 7]
         out = SchedulerOutput([ScheduledSeq(s, 1, True) for s in seqs], 2, 2)
-        first = executor.launch(plan_step(out))
+        first = executor.launch(plan_step(out), how="argmax")
         for s in seqs:  # Scheduler.advance: the step counts as computed, its token is pending
             s.num_computed_tokens += 1
             s.token_ids.append(PENDING_TOKEN)
-        second = executor.launch(plan_step(out), feed(first, [0, 1]))  # before first's tokens are known
-        for s, token in zip(seqs, executor.collect_decode(first)):  # Scheduler.commit
+        second = executor.launch(plan_step(out), feed(first, [0, 1]), how="argmax")  # before first's tokens are known
+        for s, token in zip(seqs, executor.collect(first).tokens):  # Scheduler.commit
             s.token_ids[-1] = token
         for s in seqs:
             s.num_computed_tokens += 1
             s.token_ids.append(PENDING_TOKEN)
-        executor.launch(plan_step(out), feed(second, [1]))  # only row 1 fed: row 0 keeps its host id
+        executor.launch(plan_step(out), feed(second, [1]), how="argmax")  # only row 1 fed: row 0 keeps its host id
         assert executor.allocate_kv_cache() == 7
         executor.forget(seqs[0].seq_id)
-        executor.execute(plan_step(SchedulerOutput([ScheduledSeq(seqs[1], 1, True)], 1, 1)))
+        executor.launch(plan_step(SchedulerOutput([ScheduledSeq(seqs[1], 1, True)], 1, 1)))
     finally:
         executor.shutdown()
         served.join(10)

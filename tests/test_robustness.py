@@ -250,14 +250,14 @@ import sys
 from pagoda.cli.main import main
 from pagoda.engine.model_runner import ModelRunner
 
-real = ModelRunner.execute
+real = ModelRunner.launch
 
-def execute(self, plan):  # a failure no request can be blamed for: the model itself breaks
+def launch(self, plan, *args, **kwargs):  # a failure no request can be blamed for: the model itself breaks
     if any(row.num_computed_tokens == 0 and row.tokens[:2] == [7, 7] for row in plan.rows):
         raise RuntimeError("injected device failure")
-    return real(self, plan)
+    return real(self, plan, *args, **kwargs)
 
-ModelRunner.execute = execute
+ModelRunner.launch = launch
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -94,7 +94,7 @@ class LLMEngine:
         # offline steps launched ahead of the host work (pagoda.engine.pipeline), on one device or over
         # tensor-parallel ranks, where the platform queues work asynchronously (pipeline stages: not yet)
         self.pipeline: StepPipeline | None = None
-        if self.platform.supports_async_steps and hasattr(self.runner, "launch") and config.pipeline_parallel_size == 1:
+        if self.platform.supports_async_steps and config.pipeline_parallel_size == 1:
             self.pipeline = StepPipeline(self)
         if self.speculative is not None:  # verification steps run one at a time
             self.pipeline = None
@@ -279,7 +279,7 @@ class LLMEngine:
             outputs = self.speculative.step(out, finished_only, t0, t1)
             if outputs is not None:  # (None: nothing was drafted, a plain step)
                 return outputs
-        result = self.runner.execute(plan_step(out))
+        result = self.runner.collect(self.runner.launch(plan_step(out)))
         if result.prompt_logprobs:
             self.controls.record_prompt_logprobs(self.requests, {it.seq.seq_id: it.seq for it in out.scheduled},
                                                  result.prompt_logprobs)
@@ -303,7 +303,7 @@ class LLMEngine:
     def enable_step_pipeline(self) -> None:
         """Pipeline offline steps on a device that does not do it by default (tests on a CPU,
         where it changes nothing but the order of host work)."""
-        if not hasattr(self.runner, "launch") or self.config.pipeline_parallel_size > 1:
+        if self.config.pipeline_parallel_size > 1:
             raise ConfigError("the step pipeline runs on one device or over tensor-parallel ranks, not over "
                               "pipeline stages")
         self.pipeline = StepPipeline(self)

@@ -2,7 +2,8 @@
 
 It turns each step's plan (``pagoda.engine.step_plan``: plain data, the same on every rank) into tensors,
 runs ``model.forward(input_ids, positions)`` inside a ForwardContext, computes logits for the sampling rows
-and samples (rank 0, from the plan's sequences).
+and chooses their tokens (rank 0, from the plan's sequences). A step is ``launch(plan) -> PendingStep``, then
+``collect(pending) -> StepResult``; the tensor-parallel executor has the same two methods.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from pagoda import kernels
 from pagoda.config import EngineConfig
 from pagoda.engine.inputs import StepInputs, build_step_inputs
 from pagoda.engine.kv_groups import KVCacheLayout, plan_kv_layout
-from pagoda.engine.sampler import Sampler, SampleResult, fail_blocked, row_argmax
-from pagoda.engine.step_plan import StepPlan
+from pagoda.engine.sampler import Sampler, StepResult, fail_blocked, row_argmax
+from pagoda.engine.step_plan import ARGMAX, ON_DEVICE, ON_HOST, StepPlan
 from pagoda.errors import ConfigError
 from pagoda.forward_context import ForwardContext, prepared_context, set_forward_context
 from pagoda.interfaces import AttentionBackend, AttentionSpec, Platform, supports_multimodal
@@ -31,24 +32,26 @@ logger = logging.getLogger("pagoda")
 
 
 @dataclass
-class PendingDecode:
-    """A launched decode step: tokens on the device and, once ``event`` fires, on the host."""
+class PendingStep:
+    """A launched step (``ModelRunner.launch``); ``collect`` waits for it and returns its ``StepResult``."""
 
-    num_seqs: int
-    tokens: torch.Tensor  # [num_seqs] int64, device
-    host: torch.Tensor  # pinned, [>= num_seqs + len(grammar_rows)]: the tokens, then the grammar rows' flags
-    event: object | None  # Platform.record_event() after the copy (None on devices whose copies are synchronous)
+    how: str  # ARGMAX, ON_DEVICE or ON_HOST
+    num_seqs: int  # rows that sample
+    seqs: list  # their sequences, in row order (rank 0's; empty on the other ranks)
+    logits: torch.Tensor | None = None  # [num_seqs, vocab] on the device, until the tokens are chosen
+    tokens: torch.Tensor | None = None  # [num_seqs] int64 on the device, once chosen there
+    host: torch.Tensor | None = None  # pinned, [>= num_seqs + len(grammar_rows)]: the tokens, then the flags
+    event: object | None = None  # Platform.record_event() after the copy (None where copies are synchronous)
     grammar_rows: list[int] = field(default_factory=list)  # rows whose "no token allowed" flag follows the tokens
     failed: dict[int, BaseException] = field(default_factory=dict)  # rows that could not be sampled
+    prompt_logprobs: dict[int, list] = field(default_factory=dict)  # computed in the forward (ON_HOST steps)
+
+    @property
+    def waits_for_choice(self) -> bool:
+        """An ON_DEVICE step whose tokens are not chosen yet (``ModelRunner.choose_on_device``)."""
+        return self.how == ON_DEVICE and self.tokens is None
 
 
-@dataclass
-class PendingLogits:
-    """A launched step whose tokens are chosen later (``ModelRunner.sample_launched``), once the host
-    has advanced the grammars its rows' masks depend on."""
-
-    logits: torch.Tensor  # [n, vocab] of the sampling rows, on the device
-    seqs: list  # the n sampling sequences, in row order
 PROMPT_LOGITS_ROWS = 512  # prompt positions whose logits are computed at once (prompt_logprobs)
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -224,24 +227,6 @@ class ModelRunner:
             acc = self.expert_counts.get(name)
             self.expert_counts[name] = counts.detach().clone() if acc is None else acc.add_(counts)
 
-    @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> SampleResult:
-        seqs = plan.sampling_sequences()
-        if self.graphs is not None and self.graphs.can_run(plan):
-            logits = self.graphs.run(plan)
-        elif self.mixed_graphs is not None and self.mixed_graphs.can_run(plan):
-            logits = self.mixed_graphs.run(plan)
-        else:
-            inputs = self.step_inputs(plan)
-            logits, prompt = self._forward(inputs, prompt_logprobs_of=plan)
-            if prompt:
-                result = self.sampler(logits[: len(seqs)], seqs) if seqs else SampleResult([], [])
-                result.prompt_logprobs = prompt
-                return result
-        if not seqs:
-            return SampleResult([], [])
-        return self.sampler(logits[: len(seqs)], seqs)
-
     def _forward(self, inputs: StepInputs, prompt_logprobs_of: StepPlan | None = None, all_rows: bool = False,
                  count_experts: bool = True) -> tuple[torch.Tensor, dict[int, list]]:
         """The one eager forward of every step form: (logits of the sampling rows, or of every row with
@@ -276,79 +261,86 @@ class ModelRunner:
                     found.setdefault(seq_id, []).extend(entries)
         return found
 
-    # ------------------------------------------------------------------ pipelined steps
-    @torch.inference_mode()
-    def launch(self, plan: StepPlan, feed=None, staged=None) -> PendingDecode:
-        """Start a greedy step without waiting for it (``pagoda.engine.pipeline``): graphs for a
-        decode batch they hold, else eagerly. The tokens of the sampling rows stay on the
-        device and are copied to the host in the background. ``feed`` (``pagoda.engine.pipeline.
-        StepFeed``): the input ids of decode ``feed.rows`` are ``feed.tokens[feed.indices]`` (a
-        previous step's tokens, not yet on the host). ``staged``: ``stage_launch(plan)``'s, if done already."""
-        logits, n = self._launch_forward(plan, feed, staged)
-        return self._pending_tokens(row_argmax(logits[:n]), n)
+    # ------------------------------------------------------------------ launch and collect
+    # Every step, pipelined or not, on one device or rank 0 of several: launch(plan) -> PendingStep, then
+    # collect(pending) -> StepResult. The step pipeline (pagoda.engine.pipeline) launches the next step
+    # between the two; the engine's plain step collects right away.
+    launch_modes = frozenset({ARGMAX, ON_DEVICE, ON_HOST})
 
     @torch.inference_mode()
-    def launch_logits(self, plan: StepPlan, feed=None, staged=None) -> PendingLogits:
-        """Start a step as ``launch`` does, leaving the choice of its tokens to ``sample_launched``
-        (rows that sample on the device: random, or constrained by a grammar whose mask needs the
-        previous step's tokens)."""
-        logits, n = self._launch_forward(plan, feed, staged)
-        return PendingLogits(logits[:n], plan.sampling_sequences())
-
-    @torch.inference_mode()
-    def sample_launched(self, launched: PendingLogits) -> PendingDecode:
-        """Choose a launched step's tokens on the device (``Sampler.select_on_device``; nothing waits)."""
-        chosen = self.sampler.select_on_device(launched.logits, launched.seqs)
-        pending = self._pending_tokens(chosen.tokens, len(launched.seqs), chosen.blocked)
-        pending.grammar_rows, pending.failed = chosen.grammar_rows, chosen.failed
+    def launch(self, plan: StepPlan, feed=None, staged=None, how: str = ON_HOST) -> PendingStep:
+        """Start ``plan``'s forward without waiting for it: graphs for a batch they hold, else eagerly.
+        ``how`` its tokens are chosen (ARGMAX, ON_DEVICE, ON_HOST). ``feed`` (``pagoda.engine.pipeline.
+        StepFeed``): the input ids of decode ``feed.rows`` are ``feed.tokens[feed.indices]`` (a previous
+        step's tokens, not yet on the host). ``staged``: ``stage_launch(plan)``'s, if done already."""
+        kind, prepared = staged if staged is not None else self.stage_launch(plan)
+        patch = None if feed is None or kind == "eager" else (feed.rows, feed.tokens.index_select(0, feed.indices))
+        prompt: dict = {}
+        if kind == "graph":  # (staged: (rows, bucket); every row of a decode batch samples)
+            logits, n = self.graphs.replay(prepared, patch=patch), prepared[0]
+        elif kind == "mixed":  # (staged: (bucket, sampling rows); no row wants prompt logprobs)
+            logits, n = self.mixed_graphs.replay(prepared, patch=patch), prepared[1]
+        else:
+            if feed is not None:
+                prepared.input_ids.index_copy_(0, feed.rows, feed.tokens.index_select(0, feed.indices))
+            logits, prompt = self._forward(prepared, prompt_logprobs_of=plan)
+            n = prepared.sample_indices.shape[0]
+        seqs = [] if how == ARGMAX else plan.sampling_sequences()  # (an argmax step reads no sequence)
+        pending = PendingStep(how, n, seqs, logits[:n], prompt_logprobs=prompt)
+        if how == ARGMAX:
+            self._send_tokens(pending, row_argmax(pending.logits))
         return pending
+
+    @torch.inference_mode()
+    def choose_on_device(self, pending: PendingStep) -> None:
+        """Choose an ON_DEVICE step's tokens (``Sampler.select_on_device``; nothing waits for the device), once
+        the host has advanced the grammars its rows' masks depend on (the step pipeline calls it then)."""
+        chosen = self.sampler.select_on_device(pending.logits, pending.seqs)
+        self._send_tokens(pending, chosen.tokens, chosen.blocked)
+        pending.grammar_rows, pending.failed = chosen.grammar_rows, chosen.failed
+
+    @torch.inference_mode()
+    def collect(self, pending: PendingStep) -> StepResult:
+        """Wait for a launched step; its tokens in row order (ON_HOST: sampled now, with logprobs and prompt
+        logprobs; rows left with no token by their grammar join ``failed``)."""
+        if pending.how == ON_HOST:
+            result = self.sampler(pending.logits, pending.seqs) if pending.seqs else StepResult([], [])
+            result.prompt_logprobs = pending.prompt_logprobs
+            return result
+        if pending.waits_for_choice:
+            self.choose_on_device(pending)
+        if pending.event is not None:
+            pending.event.synchronize()
+        n = pending.num_seqs
+        values = pending.host[: n + len(pending.grammar_rows)].tolist()
+        if pending.grammar_rows:
+            fail_blocked(pending.grammar_rows, values[n:], pending.failed)
+        return StepResult(values[:n], None, pending.failed)
 
     @torch.inference_mode()
     def stage_launch(self, plan: StepPlan) -> tuple:
         """The host work of launching ``plan`` that needs no token of the step before it (its inputs built
         and their uploads queued), done while that step's tokens are still being chosen
-        (``pagoda.engine.pipeline``); ``launch`` / ``launch_logits`` with ``staged`` then only patch the
-        fed ids and start the forward. Nothing else may launch in between."""
+        (``pagoda.engine.pipeline``); ``launch`` with ``staged`` then only patches the fed ids and starts
+        the forward. Nothing else may launch in between."""
         if self.graphs is not None and self.graphs.can_run(plan):
             return "graph", self.graphs.stage(plan)
         if self.mixed_graphs is not None and self.mixed_graphs.can_run(plan):
             return "mixed", self.mixed_graphs.stage(plan)
         return "eager", self.step_inputs(plan)
 
-    def _launch_forward(self, plan: StepPlan, feed, staged=None) -> tuple[torch.Tensor, int]:
-        """(logits whose first rows are the sampling rows', how many rows sample) of a launched step."""
-        kind, prepared = staged if staged is not None else self.stage_launch(plan)
-        patch = None if feed is None or kind == "eager" else (feed.rows, feed.tokens.index_select(0, feed.indices))
-        if kind == "graph":  # (staged: (rows, bucket); every row of a decode batch samples)
-            return self.graphs.replay(prepared, patch=patch), prepared[0]
-        if kind == "mixed":  # (staged: (bucket, sampling rows))
-            return self.mixed_graphs.replay(prepared, patch=patch), prepared[1]
-        if feed is not None:
-            prepared.input_ids.index_copy_(0, feed.rows, feed.tokens.index_select(0, feed.indices))
-        return self._forward(prepared)[0], prepared.sample_indices.shape[0]
-
-    def _pending_tokens(self, tokens: torch.Tensor, n: int, flags: torch.Tensor | None = None) -> PendingDecode:
-        """A launched step's tokens [n] (and grammar rows' flags), copied to a page-locked host buffer in
-        the background."""
+    def _send_tokens(self, pending: PendingStep, tokens: torch.Tensor, flags: torch.Tensor | None = None) -> None:
+        """A launched step's chosen tokens [n] (and grammar rows' flags) into ``pending``, copied to a page-locked
+        host buffer in the background; its logits are done with."""
         if self._token_hosts is None:
             size = max(self.config.max_num_seqs, self.graphs.max_bs if self.graphs is not None else 0)
             self._token_hosts = [self.platform.host_buffer((2 * size,), torch.int64) for _ in (0, 1)]
         host = self._token_hosts[self._token_turn]
         self._token_turn ^= 1  # two steps may be in flight: alternate the host buffers
-        if flags is not None:
-            tokens = torch.cat([tokens, flags.to(tokens.dtype)])
-        host[:tokens.shape[0]].copy_(tokens, non_blocking=True)
-        return PendingDecode(n, tokens[:n], host, self.platform.record_event())
-
-    def collect_decode(self, pending: PendingDecode) -> list[int]:
-        """Wait for a launched decode step; its tokens in batch order (rows left with no token by their
-        grammar join ``pending.failed``)."""
-        if pending.event is not None:
-            pending.event.synchronize()
-        values = pending.host[: pending.num_seqs + len(pending.grammar_rows)].tolist()
-        if pending.grammar_rows:
-            fail_blocked(pending.grammar_rows, values[pending.num_seqs:], pending.failed)
-        return values[: pending.num_seqs]
+        n = pending.num_seqs
+        both = tokens if flags is None else torch.cat([tokens, flags.to(tokens.dtype)])
+        host[:both.shape[0]].copy_(both, non_blocking=True)
+        pending.tokens, pending.host, pending.event, pending.logits = both[:n], host, self.platform.record_event(), None
 
     @torch.inference_mode()
     def forward_all_logits(self, plan: StepPlan) -> torch.Tensor:

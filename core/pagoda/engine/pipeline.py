@@ -22,15 +22,15 @@ a stop string had a token computed in N+1 that is thrown away (``commit`` skips 
 sequences; the cache slot it wrote is in a block freed with the sequence, and the write lands
 before any later step can reuse the block). Steps are only scheduled ahead when no sequence
 can be preempted (``Scheduler.fits_without_preemption``) and every queued request's token can be
-chosen on the device: greedily, or (where the runner has ``launch_logits``: one device) by random
+chosen on the device: greedily, or (where the runner launches ON_DEVICE steps: one device) by random
 sampling or under a grammar (``SamplingParams.samples_on_device``: no logits processing, no
 logprobs); otherwise the engine runs the step as usual.
 
 A constrained row's mask for step N+1 needs the token of step N accepted by its grammar, so such a
-step is launched without its tokens (``launch_logits``): its forward runs on the device while the
+step is launched without its tokens (``how=ON_DEVICE``): its forward runs on the device while the
 host commits step N (advancing the grammars, whose next masks are then filled on a worker thread:
 ``pagoda.structured_outputs.mask_ahead``) and hands out N's outputs; the next call chooses N+1's
-tokens (``sample_launched``: masks applied and tokens picked on the device) before it launches N+2
+tokens (``choose_on_device``: masks applied and tokens picked on the device) before it launches N+2
 fed from them. N+2 is scheduled and its launch staged (inputs built and uploaded: ``stage_launch``)
 before N+1's tokens are chosen, so that the device goes from that choice to N+2's forward without
 waiting for the host. A row its grammar leaves with no token fails when its step is committed.
@@ -45,9 +45,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from pagoda.engine.model_runner import PendingLogits
 from pagoda.engine.scheduler import PENDING_TOKEN, SchedulerOutput
-from pagoda.engine.step_plan import plan_step
+from pagoda.engine.step_plan import ARGMAX, ON_DEVICE, plan_step
 from pagoda.kernels.host_upload import upload
 
 
@@ -63,39 +62,40 @@ class StepFeed(NamedTuple):
 class StepPipeline:
     def __init__(self, engine):
         self.engine = engine
-        self.pending = None  # (SchedulerOutput, PendingDecode | PendingLogits): launched and advanced, not committed
+        self.pending = None  # (SchedulerOutput, PendingStep): launched and advanced, not committed
         self.launched_ahead = 0  # steps launched before their predecessor's tokens were known (stats)
         self.sampled_later = 0  # launched steps whose tokens were chosen after the previous step's commit
         self.timeline = None  # a pagoda.engine.timeline.StepTimeline marking each launch (profiling)
 
-    def _launch(self, launcher, out: SchedulerOutput, feed=None, staged=None):
+    def _launch(self, how: str, out: SchedulerOutput, feed=None, staged=None):
         begin = None if self.timeline is None else self.timeline.mark()
+        runner = self.engine.runner
         # (only the single-device runner stages launches; tensor-parallel executors take no ``staged``)
         if staged is None:
-            pending = launcher(plan_step(out), feed)
+            pending = runner.launch(plan_step(out), feed, how=how)
         else:  # (the plan the launch was staged from, and what staging prepared)
-            pending = launcher(staged[0], feed, staged=staged[1])
+            pending = runner.launch(staged[0], feed, staged=staged[1], how=how)
         if begin is not None:
             self.timeline.add(out, begin, self.timeline.mark())
         return pending
 
-    def _launcher(self):
-        """How the next step is launched: ``runner.launch`` when every sequence that can be scheduled
-        takes the argmax, ``runner.launch_logits`` (tokens chosen at the next call) when each samples on
-        the device and the runner can, None when some request needs the host to choose its token."""
+    def _how(self) -> str | None:
+        """How the next step's tokens are chosen: ARGMAX when every sequence that can be scheduled takes the
+        argmax, ON_DEVICE (at the next call) when each samples on the device and the runner can, None when
+        some request needs the host to choose its token."""
         sched, runner = self.engine.scheduler, self.engine.runner
         distinct = {id(s.params): s.params for s in itertools.chain(sched.running, sched.waiting)}.values()
         if all(p.argmax_only for p in distinct):
-            return runner.launch
-        if hasattr(runner, "launch_logits") and all(p.samples_on_device for p in distinct):
-            return runner.launch_logits
+            return ARGMAX
+        if ON_DEVICE in runner.launch_modes and all(p.samples_on_device for p in distinct):
+            return ON_DEVICE
         return None
 
     def _sampled(self, launched):
-        """A launched step's PendingDecode, choosing its tokens now if they were left for later."""
-        if isinstance(launched, PendingLogits):
+        """A launched step, its tokens chosen now if they were left for later."""
+        if launched.waits_for_choice:
             self.sampled_later += 1
-            return self.engine.runner.sample_launched(launched)
+            self.engine.runner.choose_on_device(launched)
         return launched
 
     def _feed_index(self, nxt: SchedulerOutput, out: SchedulerOutput, device) -> tuple | None:
@@ -115,16 +115,16 @@ class StepPipeline:
         return both[0], both[1], host
 
     def _schedule_ahead(self, ahead_ok: bool) -> tuple[SchedulerOutput, object] | None:
-        """The next step and its launcher, when it can be launched before this one's tokens are in."""
+        """The next step and how its tokens are chosen, when it can be launched before this one's tokens are in."""
         sched = self.engine.scheduler
-        launcher = self._launcher() if ahead_ok and sched.has_work_ahead() else None
-        if launcher is None or not sched.fits_without_preemption():
+        how = self._how() if ahead_ok and sched.has_work_ahead() else None
+        if how is None or not sched.fits_without_preemption():
             return None
         nxt = sched.schedule()
         if nxt.is_empty:
             return None
         self.engine.completion.mark_scheduled(nxt)
-        return nxt, launcher
+        return nxt, how
 
     def step(self, finished_only: bool) -> list | None:
         """One engine step through the pipeline; None when the usual path should run it."""
@@ -134,22 +134,22 @@ class StepPipeline:
         # streamed outputs too unless async_scheduling is off (unset: on, wherever a pipeline exists)
         ahead_ok = finished_only or eng.config.async_scheduling is not False
         if self.pending is None:
-            launcher = self._launcher() if ahead_ok else None
-            if launcher is None:
+            how = self._how() if ahead_ok else None
+            if how is None:
                 return None
             out = sched.schedule()
             t1 = time.perf_counter()
             if out.is_empty:
                 return []
             eng.completion.mark_scheduled(out)
-            pending = self._sampled(self._launch(launcher, out))
+            pending = self._sampled(self._launch(how, out))
             sched.advance(out)
             nxt = self._schedule_ahead(ahead_ok)
             staged = index = None
         else:
             (out, launched), self.pending = self.pending, None
             nxt = staged = index = None
-            early = isinstance(launched, PendingLogits) and hasattr(runner, "stage_launch")
+            early = launched.waits_for_choice and hasattr(runner, "stage_launch")
             if early:
                 # Its tokens are chosen on the device once the grammars' masks are in, and the next step's
                 # forward can only follow them: do the next launch's host work (scheduling, inputs, uploads)
@@ -166,15 +166,15 @@ class StepPipeline:
             t1 = t0
         ahead = None
         if nxt is not None:
-            nxt, launcher = nxt
+            nxt, how = nxt
             if staged is None:
                 index = self._feed_index(nxt, out, pending.tokens.device)
             feed = None if index is None else StepFeed(pending.tokens, *index)
-            ahead = (nxt, self._launch(launcher, nxt, feed, staged))
+            ahead = (nxt, self._launch(how, nxt, feed, staged))
             self.launched_ahead += 1
-        tokens = runner.collect_decode(pending)
-        outputs = eng.completion.complete(out, tokens, None, finished_only, t0, t1, advanced=True,
-                                          failed=pending.failed)
+        result = runner.collect(pending)
+        outputs = eng.completion.complete(out, result.tokens, None, finished_only, t0, t1, advanced=True,
+                                          failed=result.failed)
         if ahead is not None:
             sched.advance(ahead[0])
             self.pending = ahead

@@ -27,10 +27,13 @@ from pagoda.logits_processors import process_row
 
 
 @dataclass
-class SampleResult:
+class StepResult:
+    """What a step gave its sampling rows (``ModelRunner.collect``, or the sampler itself)."""
+
     tokens: list[int]
-    # per row: None, or (sampled logprob, sampled rank, [(token, logprob), ...] top-n)
-    logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
+    # None (tokens chosen on the device: no logprobs), or per row: None, or
+    # (sampled logprob, sampled rank, [(token, logprob), ...] top-n)
+    logprobs: list[tuple[float, int, list[tuple[int, float]]] | None] | None
     # rows that could not be sampled, and why: their request fails, the other rows keep their tokens
     failed: dict[int, BaseException] = field(default_factory=dict)
     # prompt logprobs computed this step: seq_id -> [(position, logprob, rank, [(token, logprob), ...])]
@@ -88,14 +91,14 @@ class Sampler:
             self._seq_generators[seq.seq_id] = gen
         return gen
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> StepResult:
         """logits [N, V] for the N sequences (in order) that sample this step; the sampler may write over them
         (no caller reads a step's logits after choosing its tokens)."""
         special = [i for i, s in enumerate(seqs) if not s.params.argmax_only or s.grammar is not None]
         if len(special) < len(seqs):  # argmax before any float32 upcast: the same index (exact, monotonic)
             tokens = row_argmax(logits).tolist()
             if not special:
-                return SampleResult(tokens, [None] * len(seqs))
+                return StepResult(tokens, [None] * len(seqs))
         else:
             tokens = [0] * len(seqs)
         wants_logprobs = any(seqs[i].params.logprobs is not None for i in special)
@@ -113,7 +116,7 @@ class Sampler:
                         failed[j] = exc
         for j, i in enumerate(special):
             tokens[i] = 0 if j in failed else picked[j]  # (a failed row's token is never used)
-        return SampleResult(tokens, out, {special[j]: exc for j, exc in failed.items()})
+        return StepResult(tokens, out, {special[j]: exc for j, exc in failed.items()})
 
     def select_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceSelection:
         """Tokens for logits [N, V] of rows whose requests sample on the device (``SamplingParams.

@@ -22,6 +22,12 @@ from typing import NamedTuple
 
 from pagoda.engine.scheduler import SchedulerOutput
 
+# How a launched step's tokens are chosen (``ModelRunner.launch(plan, how=...)``; the runner's and every
+# executor's ``launch_modes`` say which they can).
+ARGMAX = "argmax"  # the argmax on the device, copied to the host in the background (the step pipeline)
+ON_DEVICE = "device"  # the sampler on the device, once the host allows (``choose_on_device``): greedy or random,
+#                       under grammar masks filled from matchers advanced in between (the step pipeline)
+ON_HOST = "host"  # the whole sampler when collected (logits processing, logprobs, prompt logprobs)
 
 class PlannedRow(NamedTuple):
     """One scheduled sequence of a step (a tuple: cheap to make, for every row of every step)."""

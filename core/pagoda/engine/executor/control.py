@@ -24,9 +24,9 @@ class Kind(enum.IntEnum):
 
 
 class StepMode(enum.IntEnum):
-    EXECUTE = 0  # runner.execute (rank 0 samples)
+    EXECUTE = 0  # runner.launch(how=ON_HOST) (rank 0 collects and samples)
     ALL_LOGITS = 1  # runner.forward_all_logits (scoring)
-    # runner.launch (the step pipeline); argument: k, the rows fed from the previous launch's tokens,
+    # runner.launch(how=ARGMAX) (the step pipeline); argument: k, the rows fed from the previous launch's tokens,
     # whose (rows, indices) are the payload's last 2k words; each rank feeds its own previous launch's
     # tokens (every rank holds the same full logits, so the same argmax)
     LAUNCH = 2

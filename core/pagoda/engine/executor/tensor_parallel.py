@@ -3,13 +3,13 @@
 ``create_executor`` is what ``LLMEngine`` calls: with ``tensor_parallel_size: 1`` (and no
 torchrun) it returns a plain ``ModelRunner`` — today's path, nothing in between. Otherwise
 it starts or joins the ranks (``pagoda.distributed.process_group``) and rank 0 gets a
-``TensorParallelExecutor``: the same interface as the runner (``execute``,
-``launch``/``collect_decode`` (the step pipeline), ``forward_all_logits``, ``allocate_kv_cache``,
-``capture_graphs``, ``forget``, and rank 0's runner attributes such as ``model``, ``graphs``
-and ``expert_counts``; a runner method it does not know raises instead of running on rank 0
-alone). Each step, rank 0 broadcasts the
-scheduled batch, then runs its own shard; every rank runs the same ``ModelRunner.execute``
-and meets the others in the layers' collectives; only rank 0 samples.
+``TensorParallelExecutor``: the same interface as the runner (``launch``/``collect``,
+``forward_all_logits``, ``allocate_kv_cache``, ``capture_graphs``, ``forget``, and rank 0's runner
+attributes such as ``model``, ``graphs`` and ``expert_counts``; a runner method it does not know
+raises instead of running on rank 0 alone). Each step, rank 0 broadcasts the step's plan, then
+runs its own shard; every rank runs the same ``ModelRunner.launch`` and meets the others in the
+layers' collectives; only rank 0 chooses tokens (ARGMAX steps of the step pipeline: every rank
+takes the argmax of the same gathered logits, so that each can feed the next step its own copy).
 
 A failed rank stops the engine with a ``WorkerError`` naming the rank and its exception (or
 how its process ended); the executor then tears the run down, and later calls raise the
@@ -51,6 +51,7 @@ from pagoda.engine.executor.failures import (
 )
 from pagoda.engine.executor.rank_runner import build_rank_runner
 from pagoda.engine.executor.step_codec import encode_plan
+from pagoda.engine.step_plan import ARGMAX, ON_HOST
 from pagoda.errors import ConfigError
 from pagoda.interfaces import Platform
 
@@ -228,29 +229,28 @@ class TensorParallelExecutor:
         self._finalizer = weakref.finalize(self, run.close)
 
     # ------------------------------------------------------------------ the runner's interface
-    @torch.inference_mode()
-    def execute(self, plan):
-        words = encode_plan(plan)
-        with self._collective("a model step"):
-            self.run.channel.send_words(words, StepMode.EXECUTE)
-            return self.driver.execute(plan)
+    # ON_DEVICE steps are not launched here: the other ranks could not feed the next step the tokens
+    # rank 0 drew (the step pipeline then runs such steps one at a time)
+    launch_modes = frozenset({ARGMAX, ON_HOST})
 
     @torch.inference_mode()
-    def launch(self, plan, feed=None):
-        """The step pipeline (``pagoda.engine.pipeline``): every rank launches the step (graphs or
-        eager); fed rows take each rank's own tokens of the previous launch, which agree because
-        every rank argmaxes the same gathered logits."""
+    def launch(self, plan, feed=None, how: str = ON_HOST):
+        """Every rank launches the step (graphs or eager). ARGMAX steps (the step pipeline,
+        ``pagoda.engine.pipeline``): fed rows take each rank's own tokens of the previous launch, which
+        agree because every rank argmaxes the same gathered logits."""
+        if how not in self.launch_modes:
+            raise ValueError(f"a tensor-parallel step cannot choose its tokens {how!r}")
         words = encode_plan(plan)
         k = 0 if feed is None else feed.host.shape[1]
         if k:
             words = np.concatenate([words, feed.host.reshape(-1)])
-        with self._collective("a launched step"):
-            self.run.channel.send_words(words, StepMode.LAUNCH, k)
-            return self.driver.launch(plan, feed)
+        with self._collective("a model step"):
+            self.run.channel.send_words(words, StepMode.LAUNCH if how == ARGMAX else StepMode.EXECUTE, k)
+            return self.driver.launch(plan, feed, how=how)
 
-    def collect_decode(self, pending) -> list[int]:
-        with self._collective("a decode step"):
-            return self.driver.collect_decode(pending)
+    def collect(self, pending):
+        with self._collective("a model step"):
+            return self.driver.collect(pending)
 
     @torch.inference_mode()
     def forward_all_logits(self, plan) -> torch.Tensor:

@@ -22,7 +22,7 @@ from pagoda.engine.executor.control import ControlChannel, Kind, StepMode
 from pagoda.engine.executor.step_codec import decode_plan
 from pagoda.engine.gc_freeze import freeze_startup_objects
 from pagoda.engine.pipeline import StepFeed
-from pagoda.engine.sampler import SampleResult
+from pagoda.engine.step_plan import ARGMAX, ON_HOST
 from pagoda.kernels.host_upload import upload
 
 logger = logging.getLogger("pagoda")
@@ -35,10 +35,8 @@ READY_KEY = "pagoda/ready/{rank}"
 
 
 class NoSampling:
-    """The sampler of ranks > 0: rank 0 samples, the others only run their shard."""
-
-    def __call__(self, logits, seqs) -> SampleResult:
-        return SampleResult([], [])
+    """The sampler of ranks > 0: rank 0 chooses the tokens (and keeps the prompt logprobs), the others only run
+    their shard (they never collect a step's tokens)."""
 
     def prompt_logprobs(self, logits, seq, first) -> dict:
         return {}
@@ -59,7 +57,7 @@ def _feed(launched, fed, k: int):
 def serve_rank(runner: Any, channel: ControlChannel) -> None:
     """Run steps and calls from rank 0 until it sends STOP."""
     runner.sampler = NoSampling()
-    launched = None  # the last launch's PendingDecode (its tokens feed the next launch's pending rows)
+    launched = None  # the last ARGMAX launch's PendingStep (its tokens feed the next launch's pending rows)
     stepping = False
     while True:
         kind, mode, arg, payload = channel.receive()
@@ -73,10 +71,10 @@ def serve_rank(runner: Any, channel: ControlChannel) -> None:
             if mode == StepMode.LAUNCH and arg:  # the fed rows' (rows, indices) end the payload
                 fed, payload = payload[len(payload) - 2 * arg:], payload[:len(payload) - 2 * arg]
             plan = decode_plan(payload)
-            if mode == StepMode.EXECUTE:
-                runner.execute(plan)
+            if mode == StepMode.EXECUTE:  # (rank 0 chooses the tokens: nothing to collect here)
+                runner.launch(plan, how=ON_HOST)
             elif mode == StepMode.LAUNCH:
-                launched = runner.launch(plan, None if fed is None else _feed(launched, fed, arg))
+                launched = runner.launch(plan, None if fed is None else _feed(launched, fed, arg), how=ARGMAX)
             else:
                 runner.forward_all_logits(plan)
         else:
