@@ -231,6 +231,9 @@ class _LoopbackChannel:
     def send_result(self, result):
         self.results.put(result)
 
+    def close(self):
+        pass
+
 
 class _RecordingRunner:
     """Stands for a rank's ModelRunner: records what it is asked to run; a launched decode
@@ -279,6 +282,21 @@ def test_tp2_gpt_oss_with_window_groups(tmp_path):
     finally:
         _LIVE_TP_ENGINES.remove(llm)
         llm.shutdown()
+    # the process group's backend went with it, its threads too (not left for the interpreter's exit, where one
+    # asking for the GIL aborts the process: destroy_parallel_state)
+    assert not _gloo_threads()
+
+
+def _gloo_threads() -> list[str]:
+    """Names of this process's threads that belong to gloo (Linux)."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # (a thread that ended meanwhile)
+            pass
+    return [n for n in names if "gloo" in n]
 
 
 def test_pipelined_launches_reach_every_rank_with_its_own_device_tokens():

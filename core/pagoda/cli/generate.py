@@ -78,9 +78,8 @@ def run(args) -> int:
             print(f"{prompt}{c.text}" if not args.chat else c.text)
     print(f"[{llm.engine.model_name} on {llm.engine.platform.name}/{llm.engine.dtype}: loaded in "
           f"{load_s:.1f}s, {n_tokens} tokens in {gen_s:.2f}s]", file=sys.stderr)
-    # the other ranks stopped and the process group left now, not by finalizers at the interpreter's exit:
-    # there, under torchrun, rank 0 aborted about one run in five ("terminate called without an active
-    # exception": the group's threads outlived their objects)
+    # the other ranks stopped and the process group freed now, not by finalizers at the interpreter's exit
+    # (pagoda.distributed.process_group.destroy_parallel_state says why)
     llm.shutdown()
     return 0
 

@@ -60,6 +60,10 @@ class ControlChannel:
         dist.gather_object(own, out, dst=0, group=self.group)
         return out
 
+    def close(self) -> None:
+        """Let go of the control group (``destroy_parallel_state`` then frees it, see there)."""
+        self.group = None
+
     # ------------------------------------------------------------------ ranks > 0
     def receive(self) -> tuple[Kind, int, int, Any]:
         """(kind, mode, argument, payload): payload is the int64 numpy array of a step or the

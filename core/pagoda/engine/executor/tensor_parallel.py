@@ -145,6 +145,7 @@ def _join_launched_run(config, source, hf_config, platform, dtype, info: RankInf
     except BaseException as exc:  # noqa: BLE001 - reported to rank 0, then this rank leaves
         report_failure(store, info.rank, exc)
         os._exit(1)
+    channel.close()
     destroy_parallel_state()
     logger.info("rank %d: rank 0 stopped the run; leaving", info.rank)
     raise SystemExit(0)
@@ -209,6 +210,7 @@ class _Run:
                     graceful = False
             if self.workers is not None:
                 self.workers.stop(timeout=10.0 if graceful else 0.0)
+            self.channel.close()
             destroy_parallel_state()
 
 
