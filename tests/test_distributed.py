@@ -369,13 +369,14 @@ def test_a_plan_carries_what_the_step_computes():
     b.num_computed_tokens = 2
     b.token_ids.append(PENDING_TOKEN)
     plan = plan_step(SchedulerOutput([ScheduledSeq(b, 1, True), ScheduledSeq(a, 2, False)], 1, 3))
-    assert plan.sequences == (b, a) and plan.sampling_sequences() == [b]
+    assert plan.sequences == (b, a) and [r.seq_id for r in plan.sampling_rows()] == [b.seq_id]
+    assert plan.sampling_row(0).token_ids == [7, 8, PENDING_TOKEN]  # (prompt logprobs score its prompt)
     first, second = plan.rows
     assert first.tokens == [PENDING_TOKEN] and second.tokens == [3, 4]
     assert (first.lora_int_id, first.wants_prompt_logprobs, first.sample) == (3, True, True)
     assert second.block_tables == ([3, 4], [-1, 6], [7, 8])
     received = _sent(plan)
-    assert received == StepPlan(plan.rows, 1, 3) and received.sampling_sequences() == []
+    assert received == StepPlan(plan.rows, 1, 3) and received.sampling_rows() == []
 
 
 def test_a_plan_with_no_rows_reaches_the_other_ranks():

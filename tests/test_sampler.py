@@ -2,13 +2,14 @@
 
 import torch
 from pagoda.engine.sampler import Sampler
+from pagoda.engine.sampling_batch import sampling_rows
 from pagoda.engine.sequence import Sequence
 from pagoda.sampling_params import SamplingParams
 
 V = 50
 
 
-def seqs(*params, seeds=None):
+def sequences(*params, seeds=None):
     out = []
     for i, p in enumerate(params):
         s = Sequence(f"r{i}", 0, [1, 2, 3], p, seed=(seeds or [None] * len(params))[i])
@@ -16,6 +17,11 @@ def seqs(*params, seeds=None):
             s.output_counts = {}
         out.append(s)
     return out
+
+
+def seqs(*params, seeds=None):
+    """The sampler's batch for requests with ``params`` (as the engine copies it out of their sequences)."""
+    return sampling_rows(sequences(*params, seeds=seeds))
 
 
 def test_greedy_and_degenerate_filters_pick_the_argmax():
@@ -54,17 +60,19 @@ def test_penalties_follow_their_definitions():
     logits = torch.zeros(1, V)
     logits[0, 5] = 2.0
     logits[0, 6] = -2.0
-    rep = seqs(SamplingParams(temperature=0, repetition_penalty=2.0))[0]
+    rep = sequences(SamplingParams(temperature=0, repetition_penalty=2.0))[0]
     rep.token_ids += [5, 6]
+    rep = sampling_rows([rep])[0]
     sampler = Sampler(torch.device("cpu"))
     from pagoda.logits_processors import apply_penalties as _apply_penalties
 
     row = logits[0].clone()
     _apply_penalties(row, rep)
     assert row[5] == 1.0 and row[6] == -4.0
-    pres = seqs(SamplingParams(temperature=0, presence_penalty=1.5, frequency_penalty=0.5))[0]
+    pres = sequences(SamplingParams(temperature=0, presence_penalty=1.5, frequency_penalty=0.5))[0]
     for t in (5, 5, 7):
         pres.append_token(t)
+    pres = sampling_rows([pres])[0]
     row = logits[0].clone()
     _apply_penalties(row, pres)
     assert row[5] == 2.0 - 1.5 - 2 * 0.5 and row[7] == -2.0 and row[6] == -2.0
@@ -160,3 +168,18 @@ def test_the_row_argmax_is_torchs_argmax_ties_and_nans_included():
             if trial % 5 == 0:
                 t[1] = float("-inf")
             assert torch.equal(row_argmax(t), t.argmax(dim=-1)), (dtype, trial)
+
+
+def test_sampling_rows_copy_what_the_sampler_reads_and_drafts_extend_them_without_touching_the_sequence():
+    from pagoda.engine.sequence import SequenceStatus
+
+    seq = sequences(SamplingParams(temperature=0, presence_penalty=1.0), seeds=[3])[0]
+    seq.append_token(9)
+    row = sampling_rows([seq])[0]
+    assert (row.seq_id, row.seed, row.num_prompt_tokens, row.output_token_ids, row.output_counts, row.finished) == (
+        seq.seq_id, 3, 3, [9], {9: 1}, False)
+    ahead = row.as_if_generated([9, 4])  # (speculative decoding: a draft position's history)
+    assert ahead.output_token_ids == [9, 9, 4] and ahead.num_output_tokens == 3 and ahead.output_counts == {9: 2, 4: 1}
+    assert row.output_token_ids == [9] and seq.token_ids == [1, 2, 3, 9] and seq.output_counts == {9: 1}
+    seq.status = SequenceStatus.FINISHED_STOPPED
+    assert sampling_rows([seq])[0].finished  # (a row chosen after its sequence ended takes the argmax)

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from pagoda.engine.sequence import Sequence
+from pagoda.engine.sampling_batch import SamplingRow
 
 NEG_INF = float("-inf")
 
 
-def process_row(row: torch.Tensor, seq: Sequence, stop_token_ids: set[int], processors: dict) -> None:
+def process_row(row: torch.Tensor, seq: SamplingRow, stop_token_ids: set[int], processors: dict) -> None:
     """Apply every per-request processing ``seq``'s parameters ask for to its logits ``row`` [V]."""
     p = seq.params
     if p.allowed_token_ids:
@@ -43,7 +43,7 @@ def process_row(row: torch.Tensor, seq: Sequence, stop_token_ids: set[int], proc
             row.copy_(out)
 
 
-def apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
+def apply_penalties(row: torch.Tensor, seq: SamplingRow) -> None:
     p = seq.params
     if p.repetition_penalty != 1.0:
         ids = torch.tensor(sorted(set(seq.token_ids)), device=row.device, dtype=torch.long)
@@ -56,7 +56,7 @@ def apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
         row.index_add_(0, ids, -(p.frequency_penalty * cnt + p.presence_penalty))
 
 
-def _ban_bad_words(row: torch.Tensor, seq: Sequence) -> None:
+def _ban_bad_words(row: torch.Tensor, seq: SamplingRow) -> None:
     """A banned word of k tokens: its last token is -inf when the last k-1 generated tokens are its
     first k-1 (a one-token word is always banned)."""
     out = seq.output_token_ids

@@ -37,7 +37,7 @@ class PendingStep:
 
     how: str  # ARGMAX, ON_DEVICE or ON_HOST
     num_seqs: int  # rows that sample
-    seqs: list  # their sequences, in row order (rank 0's; empty on the other ranks)
+    rows: list  # ON_HOST: their SamplingRows, in row order (rank 0's; empty on the other ranks and otherwise)
     logits: torch.Tensor | None = None  # [num_seqs, vocab] on the device, until the tokens are chosen
     tokens: torch.Tensor | None = None  # [num_seqs] int64 on the device, once chosen there
     host: torch.Tensor | None = None  # pinned, [>= num_seqs + len(grammar_rows)]: the tokens, then the flags
@@ -250,14 +250,14 @@ class ModelRunner:
         for i, row in enumerate(plan.rows):
             if not row.wants_prompt_logprobs:
                 continue
-            seq = plan.sequences[i] if plan.sequences else None  # (rank 0's: the prompt ids it scores)
+            scored = plan.sampling_row(i)  # (rank 0's: the prompt ids it scores; None on other ranks)
             start = row.num_computed_tokens
             end = min(start + row.num_new_tokens, row.num_prompt_tokens - 1)  # position p predicts p + 1
             for s in range(start, end, PROMPT_LOGITS_ROWS):
                 row = qsl[i] + s - start
                 count = min(PROMPT_LOGITS_ROWS, end - s)
                 logits = self.model.compute_logits(hidden[row:row + count])
-                for seq_id, entries in self.sampler.prompt_logprobs(logits, seq, s).items():
+                for seq_id, entries in self.sampler.prompt_logprobs(logits, scored, s).items():
                     found.setdefault(seq_id, []).extend(entries)
         return found
 
@@ -285,17 +285,19 @@ class ModelRunner:
                 prepared.input_ids.index_copy_(0, feed.rows, feed.tokens.index_select(0, feed.indices))
             logits, prompt = self._forward(prepared, prompt_logprobs_of=plan)
             n = prepared.sample_indices.shape[0]
-        seqs = [] if how == ARGMAX else plan.sampling_sequences()  # (an argmax step reads no sequence)
-        pending = PendingStep(how, n, seqs, logits[:n], prompt_logprobs=prompt)
+        rows = plan.sampling_rows() if how == ON_HOST else []  # (ON_DEVICE: read when its tokens are chosen)
+        pending = PendingStep(how, n, rows, logits[:n], prompt_logprobs=prompt)
         if how == ARGMAX:
             self._send_tokens(pending, row_argmax(pending.logits))
         return pending
 
     @torch.inference_mode()
-    def choose_on_device(self, pending: PendingStep) -> None:
-        """Choose an ON_DEVICE step's tokens (``Sampler.select_on_device``; nothing waits for the device), once
-        the host has advanced the grammars its rows' masks depend on (the step pipeline calls it then)."""
-        chosen = self.sampler.select_on_device(pending.logits, pending.seqs)
+    def choose_on_device(self, pending: PendingStep, rows: list) -> None:
+        """Choose an ON_DEVICE step's tokens (``Sampler.select_on_device``; nothing waits for the device) from
+        its sampling ``rows`` as they stand once the host has advanced the grammars their masks depend on (the
+        step pipeline calls it then, with ``pagoda.engine.sampling_batch.sampling_rows`` of the step's
+        sequences)."""
+        chosen = self.sampler.select_on_device(pending.logits, rows)
         self._send_tokens(pending, chosen.tokens, chosen.blocked)
         pending.grammar_rows, pending.failed = chosen.grammar_rows, chosen.failed
 
@@ -304,11 +306,11 @@ class ModelRunner:
         """Wait for a launched step; its tokens in row order (ON_HOST: sampled now, with logprobs and prompt
         logprobs; rows left with no token by their grammar join ``failed``)."""
         if pending.how == ON_HOST:
-            result = self.sampler(pending.logits, pending.seqs) if pending.seqs else StepResult([], [])
+            result = self.sampler(pending.logits, pending.rows) if pending.rows else StepResult([], [])
             result.prompt_logprobs = pending.prompt_logprobs
             return result
         if pending.waits_for_choice:
-            self.choose_on_device(pending)
+            raise RuntimeError("an ON_DEVICE step is collected after choose_on_device chose its tokens")
         if pending.event is not None:
             pending.event.synchronize()
         n = pending.num_seqs

@@ -45,6 +45,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from pagoda.engine.sampling_batch import sampling_rows
 from pagoda.engine.scheduler import PENDING_TOKEN, SchedulerOutput
 from pagoda.engine.step_plan import ARGMAX, ON_DEVICE, plan_step
 from pagoda.kernels.host_upload import upload
@@ -91,11 +92,13 @@ class StepPipeline:
             return ON_DEVICE
         return None
 
-    def _sampled(self, launched):
-        """A launched step, its tokens chosen now if they were left for later."""
+    def _sampled(self, out: SchedulerOutput, launched):
+        """A launched step (``out``), its tokens chosen now if they were left for later: from its rows as
+        they stand now (grammars advanced by the step before, sequences that ended since)."""
         if launched.waits_for_choice:
             self.sampled_later += 1
-            self.engine.runner.choose_on_device(launched)
+            self.engine.runner.choose_on_device(launched, sampling_rows([it.seq for it in out.scheduled
+                                                                          if it.sample]))
         return launched
 
     def _feed_index(self, nxt: SchedulerOutput, out: SchedulerOutput, device) -> tuple | None:
@@ -142,7 +145,7 @@ class StepPipeline:
             if out.is_empty:
                 return []
             eng.completion.mark_scheduled(out)
-            pending = self._sampled(self._launch(how, out))
+            pending = self._sampled(out, self._launch(how, out))
             sched.advance(out)
             nxt = self._schedule_ahead(ahead_ok)
             staged = index = None
@@ -160,7 +163,7 @@ class StepPipeline:
                     plan = plan_step(nxt[0])
                     staged = plan, runner.stage_launch(plan)
                     index = self._feed_index(nxt[0], out, runner.device)
-            pending = self._sampled(launched)  # (the grammars took the previous step's tokens)
+            pending = self._sampled(out, launched)  # (the grammars took the previous step's tokens)
             if not early:
                 nxt = self._schedule_ahead(ahead_ok)
             t1 = t0

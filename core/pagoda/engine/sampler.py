@@ -1,7 +1,8 @@
 """Token selection for a batch: per-request logits processing, grammar masks, temperature, top-k,
 top-p, min-p, seeds, logprobs.
 
-Rows are sequences. A row whose request only wants the most likely token (``argmax_only``) takes
+Rows are ``pagoda.engine.sampling_batch.SamplingRow``s (the batch: what the engine copied out of each sampling
+sequence; never a live sequence). A row whose request only wants the most likely token (``argmax_only``) takes
 the argmax of its logits as they are; the other rows are processed apart, in float32: their own
 logits processing (``pagoda.logits_processors``), then their grammar's token mask (structured
 outputs), then greedy selection or the exponential race (argmax of p / Exp(1) noise); a request
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagoda.engine.sequence import Sequence
+from pagoda.engine.sampling_batch import SamplingRow
 from pagoda.kernels.host_upload import upload
 from pagoda.logits_processors import process_row
 
@@ -84,14 +85,14 @@ class Sampler:
     def forget(self, seq_id: int) -> None:
         self._seq_generators.pop(seq_id, None)
 
-    def _generator(self, seq: Sequence) -> torch.Generator:
+    def _generator(self, seq: SamplingRow) -> torch.Generator:
         gen = self._seq_generators.get(seq.seq_id)
         if gen is None:
             gen = torch.Generator(device=self.device).manual_seed(seq.seed)
             self._seq_generators[seq.seq_id] = gen
         return gen
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> StepResult:
+    def __call__(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> StepResult:
         """logits [N, V] for the N sequences (in order) that sample this step; the sampler may write over them
         (no caller reads a step's logits after choosing its tokens)."""
         special = [i for i, s in enumerate(seqs) if not s.params.argmax_only or s.grammar is not None]
@@ -118,14 +119,14 @@ class Sampler:
             tokens[i] = 0 if j in failed else picked[j]  # (a failed row's token is never used)
         return StepResult(tokens, out, {special[j]: exc for j, exc in failed.items()})
 
-    def select_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceSelection:
+    def select_on_device(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> DeviceSelection:
         """Tokens for logits [N, V] of rows whose requests sample on the device (``SamplingParams.
         samples_on_device``: greedy or random, constrained or not): the step pipeline chooses a launched
         step's tokens this way without waiting for the device. Grammar masks are filled on the host
         from the matchers as they stand; sequences that already finished (a token computed ahead for
         them is thrown away) take the argmax. ``logits`` may be written over, as in ``__call__``."""
         special = [i for i, s in enumerate(seqs)
-                   if not s.is_finished and (not s.params.argmax_only or s.grammar is not None)]
+                   if not s.finished and (not s.params.argmax_only or s.grammar is not None)]
         if not special:
             return DeviceSelection(row_argmax(logits))
         index = _subset(logits, seqs, special)
@@ -147,7 +148,7 @@ class Sampler:
         return DeviceSelection(tokens, flags, [special[j] for j in grammar_rows],
                                {special[j]: exc for j, exc in failed.items()})
 
-    def _special(self, logits: torch.Tensor, seqs: list[Sequence], special: list[int],
+    def _special(self, logits: torch.Tensor, seqs: list[SamplingRow], special: list[int],
                  index: torch.Tensor | None, keep_raw: bool) -> tuple:
         """The rows ``special`` (``index`` on the device; None: every row) that take more than the argmax:
         (their sequences, their raw logits float32 [S, V], those logits after processing and grammar masks,
@@ -162,7 +163,7 @@ class Sampler:
         work = self._processed(raw, rows, failed, blocked, copy=keep_raw)
         return rows, raw, work, failed, blocked
 
-    def prompt_logprobs(self, logits: torch.Tensor, seq: Sequence, first: int) -> dict[int, list]:
+    def prompt_logprobs(self, logits: torch.Tensor, seq: SamplingRow, first: int) -> dict[int, list]:
         """logits [R, V] at prompt positions first .. first + R - 1 of ``seq``: for each, the
         logprob and rank of the prompt token that follows (at position + 1) and the top k, as the
         engine records them (the model's raw distribution, as for sampled tokens)."""
@@ -178,7 +179,7 @@ class Sampler:
         return {seq.seq_id: [(first + 1 + r, c, rank, top) for r, (c, rank, top)
                              in enumerate(zip(chosen.squeeze(1).tolist(), ranks, tops))]}
 
-    def _processed(self, raw: torch.Tensor, rows: list[Sequence], failed: dict, blocked: list,
+    def _processed(self, raw: torch.Tensor, rows: list[SamplingRow], failed: dict, blocked: list,
                    copy: bool = True) -> torch.Tensor:
         """The rows' logits after their own processing and grammar masks (``copy``: in a copy when anything
         applies, else in ``raw`` itself).
@@ -208,7 +209,7 @@ class Sampler:
                 blocked.append((checked, torch.isneginf(work.index_select(0, _on(work.device, checked))).all(dim=1)))
         return work
 
-    def _pick(self, work: torch.Tensor, rows: list[Sequence], failed: dict, blocked: list,
+    def _pick(self, work: torch.Tensor, rows: list[SamplingRow], failed: dict, blocked: list,
               noise: torch.Tensor | None = None) -> list[int]:
         params = [s.params for s in rows]
         random_rows = [j for j, p in enumerate(params) if not p.greedy]
@@ -238,7 +239,7 @@ class Sampler:
                     failed[j] = exc
             return picked
 
-    def _noise(self, vocab: int, seqs: list[Sequence], rows: list[int], failed: dict) -> torch.Tensor | None:
+    def _noise(self, vocab: int, seqs: list[SamplingRow], rows: list[int], failed: dict) -> torch.Tensor | None:
         """Exp(1) noise [len(rows), vocab] for the random rows: the rows without a seed in one draw from
         the engine's generator (one kernel, not one per row: 256 rows cost ~1.3 ms of launches on an H200's
         host), each seeded row from its sequence's own generator, so its tokens do not depend on the batch.

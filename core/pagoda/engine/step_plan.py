@@ -10,9 +10,10 @@ its plan the same way, and the tensor-parallel executor sends the plan as it is 
 (``pagoda.engine.executor.step_codec``). Block tables travel whole: preemption, prefix caching and
 released window blocks rewrite them (decode graphs still copy only what changed to the device).
 
-The sampler is the one part that still reads live sequences: ``StepPlan.sequences`` holds rank 0's
-``Sequence`` of each row (sampling parameters, grammars, seeds, the prompt ids prompt logprobs score);
-it is never sent, and other ranks do not sample.
+Rank 0's plan also holds each row's ``Sequence`` (``StepPlan.sequences``, never sent: other ranks do not
+sample): the runner reads them only through ``sampling_rows`` / ``sampling_row`` (``pagoda.engine.
+sampling_batch``: what choosing a token and scoring a prompt read, copied out as plain rows) and, for
+multimodal models, the images placed in the prompt.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from pagoda.engine.sampling_batch import SamplingRow, sampling_rows
 from pagoda.engine.scheduler import SchedulerOutput
 
 # How a launched step's tokens are chosen (``ModelRunner.launch(plan, how=...)``; the runner's and every
@@ -53,13 +55,18 @@ class StepPlan:
     rows: tuple[PlannedRow, ...]  # decodes first, then prefill chunks (the scheduler's order)
     num_decodes: int
     num_batched_tokens: int
-    sequences: tuple = ()  # rank 0's Sequence of each row, for sampling (never sent to other ranks)
+    sequences: tuple = ()  # rank 0's Sequence of each row (never sent to other ranks; read through the methods)
 
-    def sampling_sequences(self) -> list:
-        """Rank 0's sequences of the rows that sample, in row order (none on other ranks)."""
+    def sampling_rows(self) -> list[SamplingRow]:
+        """The rows that sample, as the sampler reads them, in row order (none on other ranks)."""
         if not self.sequences:
             return []
-        return [seq for seq, row in zip(self.sequences, self.rows) if row.sample]
+        return sampling_rows([seq for seq, row in zip(self.sequences, self.rows) if row.sample])
+
+    def sampling_row(self, i: int) -> SamplingRow | None:
+        """Row ``i`` as the sampler reads it (prompt logprobs: its prompt ids and ``params.prompt_logprobs``);
+        None on other ranks."""
+        return sampling_rows([self.sequences[i]])[0] if self.sequences else None
 
 
 def plan_step(out: SchedulerOutput) -> StepPlan:

@@ -17,41 +17,21 @@ the request would sample from at that point.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 
 from pagoda.engine.sampler import _filtered_probs, row_argmax
-from pagoda.engine.sequence import Sequence
+from pagoda.engine.sampling_batch import SamplingRow
 from pagoda.logits_processors import process_row
 
 
-@contextmanager
-def as_if_generated(seq: Sequence, extra: list[int]):
-    """``seq`` as it would be with ``extra`` tokens generated after its current ones (the state
-    penalties, bad words, min_tokens and logits processors read)."""
-    saved_ids, saved_counts = seq.token_ids, seq.output_counts
-    seq.token_ids = saved_ids + list(extra)
-    if saved_counts is not None:
-        counts = dict(saved_counts)
-        for t in extra:
-            counts[t] = counts.get(t, 0) + 1
-        seq.output_counts = counts
-    try:
-        yield seq
-    finally:
-        seq.token_ids, seq.output_counts = saved_ids, saved_counts
-
-
-def processed_rows(logits: torch.Tensor, seq: Sequence, drafts: list[int], stop_token_ids: set[int],
+def processed_rows(logits: torch.Tensor, row: SamplingRow, drafts: list[int], stop_token_ids: set[int],
                    processors: dict) -> torch.Tensor:
-    """logits [m, V] (m <= len(drafts) + 1), row j after ``seq`` + drafts[:j]: each row's request
+    """logits [m, V] (m <= len(drafts) + 1), row j after ``row``'s sequence + drafts[:j]: each row's request
     processing applied in float32 (a copy)."""
     work = logits.float().clone()
-    if seq.params.needs_processing:
+    if row.params.needs_processing:
         for j in range(work.shape[0]):
-            with as_if_generated(seq, drafts[:j]):
-                process_row(work[j], seq, stop_token_ids, processors)
+            process_row(work[j], row.as_if_generated(drafts[:j]), stop_token_ids, processors)
     return work
 
 

@@ -21,6 +21,7 @@ import logging
 import torch
 
 from pagoda.engine.detokenizer import PREFIX_WINDOW
+from pagoda.engine.sampling_batch import sampling_rows
 from pagoda.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pagoda.engine.sequence import Sequence, SequenceStatus
 from pagoda.engine.step_plan import plan_step
@@ -129,7 +130,8 @@ class SpeculativeDecoder:
         failed: dict[int, BaseException] = {}
         if plain_pos:
             picked = torch.tensor([rows[j][-1] for j in plain_pos], device=logits.device)
-            result = engine.runner.sampler(logits.index_select(0, picked), [sample_items[j].seq for j in plain_pos])
+            result = engine.runner.sampler(logits.index_select(0, picked),
+                                           sampling_rows([sample_items[j].seq for j in plain_pos]))
             for n, j in enumerate(plain_pos):
                 tokens[j], logprobs[j] = result.tokens[n], result.logprobs[n]
             failed.update({plain_pos[n]: exc for n, exc in result.failed.items()})
@@ -248,10 +250,11 @@ class SpeculativeDecoder:
         params = seq.params
         if params.argmax_only:
             return accept_greedy(logits, drafts)
-        work = processed_rows(logits, seq, drafts, sampler.stop_token_ids, sampler.processors)
+        row = sampling_rows([seq])[0]
+        work = processed_rows(logits, row, drafts, sampler.stop_token_ids, sampler.processors)
         if params.greedy:
             return accept_greedy(work, drafts)
-        generator = sampler.generator if seq.seed is None else sampler._generator(seq)
+        generator = sampler.generator if seq.seed is None else sampler._generator(row)
         return accept_sampled(sampling_probs(work, params), drafts, q, generator)
 
     def _cut_at_stop(self, seq: Sequence, accepted: list[int]) -> list[int]:

@@ -18,13 +18,14 @@ import logging
 import torch
 
 from pagoda.engine.block_manager import BlockManager
+from pagoda.engine.sampling_batch import sampling_rows
 from pagoda.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pagoda.engine.sequence import Sequence, SequenceStatus
 from pagoda.engine.step_plan import plan_step
 from pagoda.errors import ConfigError
 from pagoda.forward_context import set_forward_context
 from pagoda.logits_processors import process_row
-from pagoda.speculative.acceptance import as_if_generated, sampling_probs
+from pagoda.speculative.acceptance import sampling_probs
 from pagoda.speculative.config import SpeculativeConfig
 
 logger = logging.getLogger("pagoda")
@@ -162,8 +163,8 @@ class DraftModelProposer:
             return int(logits.argmax()), None
         row = logits.float().clone()
         if params.needs_processing:
-            with as_if_generated(seq, drafted):
-                process_row(row, seq, sampler.stop_token_ids, sampler.processors)
+            process_row(row, sampling_rows([seq])[0].as_if_generated(drafted), sampler.stop_token_ids,
+                        sampler.processors)
         if params.greedy:
             return int(row.argmax()), None
         probs = sampling_probs(row[None], params)[0]
