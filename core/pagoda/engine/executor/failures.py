@@ -47,6 +47,18 @@ def exception_summary(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
+def release_frames(exc: BaseException) -> None:
+    """Clear the locals of the finished frames in ``exc``'s traceback and its causes'. A failed collective's
+    frames hold its process group; the error outlives the run (``run.error``, the caller's handler), and
+    would keep the group, and gloo's threads, alive until the interpreter's exit (see
+    ``pagoda.distributed.process_group.destroy_parallel_state``). The traceback's lines stay."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+
+
 def report_failure(store: Any, rank: int, exc: BaseException) -> None:
     """Log the traceback and leave a report for rank 0 (best effort: the store may be gone)."""
     detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))

@@ -47,6 +47,7 @@ from pagoda.engine.executor.failures import (
     exception_summary,
     is_communication_error,
     read_failure,
+    release_frames,
     report_failure,
 )
 from pagoda.engine.executor.rank_runner import build_rank_runner
@@ -349,6 +350,8 @@ class TensorParallelExecutor:
             error = None  # rank 0's own error: the others wait in a collective, so the run is over too
         run.error = error or WorkerError(f"rank 0 failed during {what}: {exception_summary(exc)}; the engine "
                                          f"has stopped")
+        if exc is not None:
+            release_frames(exc)  # (so that closing the run frees the failed collective's group now)
         run.close(graceful=False)
         if error is None:
             raise exc
