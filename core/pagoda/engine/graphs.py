@@ -177,11 +177,16 @@ class DecodeGraphs:
         h32[1, n:bucket] = 1
         return max(widest, 1)
 
-    def run(self, plan: StepPlan, patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def run(self, plan: StepPlan) -> torch.Tensor:
         """Replay the bucket's graph for a decode batch; returns logits [n, vocab] (static
-        buffer, valid until the next replay). ``patch`` (rows, ids) on the device replaces the
-        input ids of those rows (tokens a step launched before is still computing)."""
-        return self.replay(self.stage(plan), patch)
+        buffer, valid until the next replay)."""
+        return self.replay(self.stage(plan))
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """The graphs' input ids [max_bs] on the device: a staged step's rows may be overwritten here before its
+        replay (decodes fed a token a step launched before is still computing: ``ModelRunner.launch``)."""
+        return self.dev64[0]
 
     def stage(self, plan: StepPlan) -> tuple[int, int]:
         """The host half of ``run``: the batch's inputs written and their uploads queued (behind the
@@ -200,11 +205,9 @@ class DecodeGraphs:
         self.copied = self.runner.platform.record_event()
         return n, bucket
 
-    def replay(self, staged: tuple[int, int], patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def replay(self, staged: tuple[int, int]) -> torch.Tensor:
         """The device half of ``run`` for a ``stage``d batch."""
         n, bucket = staged
-        if patch is not None:
-            self.dev64[0].index_copy_(0, patch[0], patch[1])
         graph = self.graphs[bucket]
         graph.replay()
         if self.contexts[bucket].expert_counts:

@@ -192,12 +192,15 @@ class MixedGraphs:
         self.copied = self.runner.platform.record_event()
         return bucket, k
 
-    def replay(self, staged: tuple[int, int], patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """The device half: logits [sampling rows, vocab]. ``patch`` (rows, ids) on the device replaces the
-        input ids of decode rows (tokens a step launched before is still computing)."""
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """The graphs' input ids on the device (a staged step's decode rows may be overwritten here before its
+        replay, as ``DecodeGraphs.input_ids``)."""
+        return self.dev64[0]
+
+    def replay(self, staged: tuple[int, int]) -> torch.Tensor:
+        """The device half: logits [sampling rows, vocab]."""
         bucket, k = staged
-        if patch is not None:
-            self.dev64[0].index_copy_(0, patch[0], patch[1])
         graph = self.graphs[bucket]
         graph.replay()
         self.replays += 1

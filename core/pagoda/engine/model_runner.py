@@ -274,15 +274,15 @@ class ModelRunner:
         StepFeed``): the input ids of decode ``feed.rows`` are ``feed.tokens[feed.indices]`` (a previous
         step's tokens, not yet on the host). ``staged``: ``stage_launch(plan)``'s, if done already."""
         kind, prepared = staged if staged is not None else self.stage_launch(plan)
-        patch = None if feed is None or kind == "eager" else (feed.rows, feed.tokens.index_select(0, feed.indices))
+        if feed is not None:  # the fed rows' ids, written where this step's forward reads its input ids
+            ids = {"graph": self.graphs, "mixed": self.mixed_graphs}.get(kind, prepared).input_ids
+            ids.index_copy_(0, feed.rows, feed.tokens.index_select(0, feed.indices))
         prompt: dict = {}
         if kind == "graph":  # (staged: (rows, bucket); every row of a decode batch samples)
-            logits, n = self.graphs.replay(prepared, patch=patch), prepared[0]
+            logits, n = self.graphs.replay(prepared), prepared[0]
         elif kind == "mixed":  # (staged: (bucket, sampling rows); no row wants prompt logprobs)
-            logits, n = self.mixed_graphs.replay(prepared, patch=patch), prepared[1]
+            logits, n = self.mixed_graphs.replay(prepared), prepared[1]
         else:
-            if feed is not None:
-                prepared.input_ids.index_copy_(0, feed.rows, feed.tokens.index_select(0, feed.indices))
             logits, prompt = self._forward(prepared, prompt_logprobs_of=plan)
             n = prepared.sample_indices.shape[0]
         rows = plan.sampling_rows() if how == ON_HOST else []  # (ON_DEVICE: read when its tokens are chosen)
