@@ -275,8 +275,8 @@ class ModelRunner:
         step's tokens, not yet on the host). ``staged``: ``stage_launch(plan)``'s, if done already."""
         kind, prepared = staged if staged is not None else self.stage_launch(plan)
         if feed is not None:  # the fed rows' ids, written where this step's forward reads its input ids
-            ids = {"graph": self.graphs, "mixed": self.mixed_graphs}.get(kind, prepared).input_ids
-            ids.index_copy_(0, feed.rows, feed.tokens.index_select(0, feed.indices))
+            reader = self.graphs if kind == "graph" else self.mixed_graphs if kind == "mixed" else prepared
+            reader.input_ids.index_copy_(0, feed.rows, feed.tokens.index_select(0, feed.indices))
         prompt: dict = {}
         if kind == "graph":  # (staged: (rows, bucket); every row of a decode batch samples)
             logits, n = self.graphs.replay(prepared), prepared[0]
@@ -310,7 +310,7 @@ class ModelRunner:
             result.prompt_logprobs = pending.prompt_logprobs
             return result
         if pending.waits_for_choice:
-            raise RuntimeError("an ON_DEVICE step is collected after choose_on_device chose its tokens")
+            raise RuntimeError("an ON_DEVICE step was collected before choose_on_device chose its tokens")
         if pending.event is not None:
             pending.event.synchronize()
         n = pending.num_seqs

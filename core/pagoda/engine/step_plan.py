@@ -31,6 +31,7 @@ ON_DEVICE = "device"  # the sampler on the device, once the host allows (``choos
 #                       under grammar masks filled from matchers advanced in between (the step pipeline)
 ON_HOST = "host"  # the whole sampler when collected (logits processing, logprobs, prompt logprobs)
 
+
 class PlannedRow(NamedTuple):
     """One scheduled sequence of a step (a tuple: cheap to make, for every row of every step)."""
 
