@@ -295,6 +295,44 @@ def test_a_stale_or_failed_fill_ahead_is_filled_in_the_step(tokenizer):
     ahead.close()
 
 
+def test_fills_ahead_shorten_the_gil_switch_interval_until_closed(tokenizer, monkeypatch):
+    """While a MaskAhead has its worker, CPython's GIL switch interval is at most SWITCH_INTERVAL (the worker
+    then hands its rows back before the sampler asks for them); the process's own interval comes back
+    when the last one closes."""
+    import sys
+    from types import SimpleNamespace
+
+    from pagoda.structured_outputs import mask_ahead
+    from pagoda.structured_outputs.mask_ahead import SWITCH_INTERVAL, MaskAhead
+
+    monkeypatch.setattr(mask_ahead, "_switch_users", [0, None])  # (apart from other tests' engines)
+    own = sys.getswitchinterval()
+    manager = StructuredOutputManager("xgrammar", tokenizer, VOCAB, [tokenizer.eos_token_id])
+    grammar = manager.compile(StructuredOutputsParams(regex="ab+c"))
+    try:
+        sys.setswitchinterval(0.005)
+        one, two = MaskAhead(), MaskAhead()
+        for ahead in (one, two):
+            ahead.width = (VOCAB + 31) // 32
+            ahead.start([SimpleNamespace(grammar=grammar.matcher(), is_finished=False, request_id="r")])
+        assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL)
+        one.close()
+        assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL)  # (two still fills ahead)
+        two.close()
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+    finally:
+        sys.setswitchinterval(own)
+
+
+def test_engine_shutdown_ends_the_mask_worker(checkpoint):
+    llm = _llm(checkpoint)
+    llm.generate([[1, 2, 3]], constrained(StructuredOutputsParams(regex="(ab)+c"), max_tokens=4))
+    ahead = llm.engine.mask_ahead
+    assert ahead._pool is not None
+    llm.shutdown()
+    assert ahead._pool is None
+
+
 @pytest.mark.parametrize("ahead_used", [True, False])
 def test_masks_over_the_tokenizers_ids_forbid_the_padded_vocabulary(tokenizer, ahead_used):
     """Rows are filled as wide as the library writes them (the tokenizer's ids), ahead or in the step,

@@ -309,8 +309,9 @@ class LLMEngine:
         self.pipeline = StepPipeline(self)
 
     def shutdown(self) -> None:
-        """Stop the other ranks of a tensor-parallel engine (no-op on one device; also done
-        when the engine is garbage-collected or the process exits)."""
+        """Stop the grammar masks' worker thread and the other ranks of a tensor-parallel engine (the ranks
+        are also stopped when the engine is garbage-collected or the process exits)."""
+        self.mask_ahead.close()
         shutdown = getattr(self.runner, "shutdown", None)
         if shutdown is not None:
             shutdown()

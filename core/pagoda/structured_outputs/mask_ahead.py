@@ -7,7 +7,12 @@ hands them to the server, schedules the next step and launches its forward: xgra
 and llguidance's parallel fill run natively without the GIL, so the two overlap for real once the
 worker has started, which needs the GIL: ``start`` hands it over at once (without that, the worker
 began only when the engine thread next blocked, i.e. at the sampler's wait; scripts/mask_ahead_bench.py
-measures it).
+measures it). The worker needs the GIL once more when the fill is done, to hand its rows back, and
+CPython gives a waiting thread the GIL only when the holder blocks or after the switch interval (5 ms
+by default: longer than a step); so while fills run ahead the interval is 0.2 ms (``SWITCH_INTERVAL``),
+and the rows are usually handed back before the sampler asks for them (``take`` then needs no switch to
+the worker and back). Measured on the development machine's CPU: the streamed constrained step 5-7%
+faster; offline level.
 
 The worker writes straight into a host buffer the device copies from without waiting (page-locked on a
 GPU: ``Platform.host_buffer``), rows as wide as the library writes them (xgrammar: the tokenizer's ids,
@@ -25,6 +30,8 @@ take turns, so a fill never writes into rows a copy of the step before may still
 from __future__ import annotations
 
 import logging
+import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,6 +42,9 @@ import torch
 from pagoda.structured_outputs.backends import GrammarMatcher, prepared_fill
 
 logger = logging.getLogger("pagoda")
+SWITCH_INTERVAL = 0.0002  # seconds: CPython's GIL switch interval while fills run ahead (see the docstring)
+_switch_lock = threading.Lock()
+_switch_users = [0, None]  # MaskAheads with a worker; the interval before the first of them
 
 
 class ReadyMasks(NamedTuple):
@@ -72,6 +82,7 @@ class MaskAhead:
         self._ready = None
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar-mask")
+            _shorter_switch(True)
         self._rows = {id(m): (i, m.accepted) for i, m in enumerate(live)}
         self._matchers = live
         # Rows as wide as the library writes them, so that the worker runs nothing but the library's fill.
@@ -135,6 +146,22 @@ class MaskAhead:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
+            _shorter_switch(False)
+
+
+def _shorter_switch(on: bool) -> None:
+    """The GIL switch interval at most ``SWITCH_INTERVAL`` while any MaskAhead has a worker (``on``: one more
+    has), the process's own interval back after the last."""
+    with _switch_lock:
+        if on:
+            _switch_users[0] += 1
+            if _switch_users[0] == 1:
+                _switch_users[1] = sys.getswitchinterval()
+                sys.setswitchinterval(min(_switch_users[1], SWITCH_INTERVAL))
+        else:
+            _switch_users[0] -= 1
+            if _switch_users[0] == 0:
+                sys.setswitchinterval(_switch_users[1])
 
 
 def _fill(fill: Callable[[], None], bitmask: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
