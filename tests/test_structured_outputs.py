@@ -117,6 +117,39 @@ def test_batched_fill_equals_one_row_at_a_time(manager, tokenizer):
             assert bool((mask[[r for r in range(5) if r not in order]] == sentinel).all())
 
 
+def test_greedy_constrained_rows_are_masked_in_the_logits_own_dtype(manager, tokenizer):
+    """Greedy rows that only a grammar constrains are masked and picked in the logits' own dtype (bfloat16 on a
+    GPU: no float32 copy between two forwards), in place, with the tokens of the float32 path; a row that also
+    has its own processing (or a random row) still works in a float32 copy."""
+    from pagoda import SamplingParams
+    from pagoda.engine.sampler import Sampler
+    from pagoda.engine.sampling_batch import sampling_rows
+    from pagoda.engine.sequence import Sequence
+
+    def rows(*params):
+        seqs = []
+        for i, p in enumerate(params):
+            seq = Sequence(f"r{i}", i, [1, 2, 3], p)
+            seq.grammar = manager.compile(StructuredOutputsParams(regex=r"[a-c]{2,4}-[0-9]")).matcher()
+            seq.output_counts = {}
+            seqs.append(seq)
+        return sampling_rows(seqs)
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, VOCAB, generator=gen).to(torch.bfloat16)
+    greedy = SamplingParams(temperature=0)
+    in_place = logits.clone()
+    chosen = Sampler(torch.device("cpu")).select_on_device(in_place, rows(greedy, greedy, greedy)).tokens.tolist()
+    upcast = Sampler(torch.device("cpu")).select_on_device(logits.float(), rows(greedy, greedy, greedy))
+    assert chosen == upcast.tokens.tolist()
+    allowed = {tokenizer.convert_tokens_to_ids(c) for c in "abc"}
+    assert set(chosen) <= allowed and bool(torch.isneginf(in_place).any())  # masked where it lies
+    penalised = SamplingParams(temperature=0, repetition_penalty=1.3)
+    untouched = logits.clone()
+    Sampler(torch.device("cpu")).select_on_device(untouched, rows(penalised, greedy, greedy))
+    assert torch.equal(untouched, logits)  # (a float32 copy was processed)
+
+
 def test_compile_errors_name_the_field(manager):
     with pytest.raises(RequestError) as info:
         manager.compile(StructuredOutputsParams(regex="(unclosed"))
