@@ -361,9 +361,9 @@ def test_engine_shutdown_ends_the_mask_worker(checkpoint):
     llm = _llm(checkpoint)
     llm.generate([[1, 2, 3]], constrained(StructuredOutputsParams(regex="(ab)+c"), max_tokens=4))
     ahead = llm.engine.mask_ahead
-    assert ahead._pool is not None
+    assert ahead._worker is not None
     llm.shutdown()
-    assert ahead._pool is None
+    assert ahead._worker is None
 
 
 @pytest.mark.parametrize("ahead_used", [True, False])

@@ -11,14 +11,16 @@ measures it). The worker needs the GIL once more when the fill is done, to hand 
 CPython gives a waiting thread the GIL only when the holder blocks or after the switch interval (5 ms
 by default: longer than a step); so while fills run ahead the interval is 0.2 ms (``SWITCH_INTERVAL``),
 and the rows are usually handed back before the sampler asks for them (``take`` then needs no switch to
-the worker and back). Measured on the development machine's CPU: the streamed constrained step 5-7%
-faster; offline level.
+the worker and back). Every time the worker takes the GIL the engine thread waits for it, so the worker
+runs as little Python as it can (``_Worker``: no executor, no future; the rows' checks on the engine
+thread). A py-spy profile of the server on an H100 (docs/benchmarks.md, twenty-fourth session) showed
+the hand-over in ``start`` and the worker's waits for the GIL after its fill as the costliest parts.
 
 The worker writes straight into a host buffer the device copies from without waiting (page-locked on a
 GPU: ``Platform.host_buffer``), rows as wide as the library writes them (xgrammar: the tokenizer's ids,
-often a third of the model's vocabulary), and notes the rows that allow no token at all. The sampler
-takes the buffer as it is (``take``: which of its rows are still valid, i.e. the same matcher with no
-token accepted since) and uploads it in one copy; it fills only the other rows itself. Two buffers
+often a third of the model's vocabulary). The sampler takes the buffer as it is (``take``: which of its
+rows are still valid, i.e. the same matcher with no token accepted since, and which allow no token at
+all) and uploads it in one copy; it fills only the other rows itself. Two buffers
 take turns, so a fill never writes into rows a copy of the step before may still be reading.
 
     ahead = MaskAhead(host_buffer)
@@ -34,9 +36,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from queue import SimpleQueue
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from pagoda.structured_outputs.backends import GrammarMatcher, prepared_fill
@@ -60,9 +63,9 @@ class MaskAhead:
         self._host_buffer = host_buffer or (lambda shape, dtype: torch.zeros(shape, dtype=dtype))
         self._buffers: list[torch.Tensor | None] = [None, None]  # taking turns (see the module docstring)
         self._turn = 0
-        self._pool: ThreadPoolExecutor | None = None  # started with the first constrained step
-        self._job: Future | None = None
-        self._ready: tuple[torch.Tensor, list[bool]] | None = None  # the finished job's rows and empty flags
+        self._worker: _Worker | None = None  # started with the first constrained step
+        self._job: _Job | None = None
+        self._ready: torch.Tensor | None = None  # the finished job's rows
         self._rows: dict[int, tuple[int, int]] = {}  # id(matcher) -> (row in the job's mask, tokens accepted)
         self._matchers: list[GrammarMatcher] = []  # kept alive while their ids are keys above
         self.width: int | None = None  # words per mask row (the model's vocabulary / 32), from the sampler
@@ -80,8 +83,8 @@ class MaskAhead:
             return
         self.wait()
         self._ready = None
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar-mask")
+        if self._worker is None:
+            self._worker = _Worker()
             _shorter_switch(True)
         self._rows = {id(m): (i, m.accepted) for i, m in enumerate(live)}
         self._matchers = live
@@ -95,7 +98,7 @@ class MaskAhead:
             logger.debug("grammar masks not filled ahead (%s); the step fills them", exc)
             self._rows, self._matchers = {}, []
             return
-        self._job = self._pool.submit(_fill, fill, bitmask)
+        self._job = self._worker.submit(fill, bitmask)
         # The worker needs the GIL to start the fill (whose native part then runs without it): hand it
         # over now, or it waits until this thread next blocks, which is the sampler's wait for this fill
         # (measured: a fill started ahead of 3 ms of the engine's host work was not begun by then).
@@ -115,10 +118,11 @@ class MaskAhead:
         job, self._job = self._job, None
         if job is None:
             return
-        try:
-            self._ready = job.result()
-        except Exception as exc:  # noqa: BLE001 - the sampler's own fill reports it per row
-            logger.debug("grammar masks filled ahead failed (%s); the step fills them", exc)
+        job.done.acquire()  # (released by the worker when the fill returns or raises)
+        if job.error is None:
+            self._ready = job.bitmask
+        else:  # the sampler's own fill reports it per row
+            logger.debug("grammar masks filled ahead failed (%s); the step fills them", job.error)
             self._ready, self._rows, self._matchers = None, {}, []
 
     def take(self, rows: list[GrammarMatcher], width: int) -> ReadyMasks | None:
@@ -129,7 +133,7 @@ class MaskAhead:
         self.wait()
         ready, known = self._ready, self._rows
         self._ready, self._rows, self._matchers = None, {}, []
-        if ready is None or ready[0].shape[1] > width:
+        if ready is None or ready.shape[1] > width:
             return None
         where = []
         for matcher in rows:
@@ -139,14 +143,51 @@ class MaskAhead:
         if not used:
             return None
         self.rows_used += used
-        return ReadyMasks(ready[0], where, ready[1])
+        return ReadyMasks(ready, where, none_left(ready))  # (here: the worker needs no GIL for it)
 
     def close(self) -> None:
         self.wait()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-            self._pool = None
+        if self._worker is not None:
+            self._worker.stop()
+            self._worker = None
             _shorter_switch(False)
+
+
+class _Job:
+    __slots__ = ("fill", "bitmask", "error", "done")
+
+    def __init__(self, fill: Callable[[], None], bitmask: torch.Tensor):
+        self.fill, self.bitmask, self.error = fill, bitmask, None
+        self.done = threading.Lock()
+        self.done.acquire()  # released when the fill is over
+
+
+class _Worker:
+    """The thread that runs the fills. Each time it needs the GIL it takes it from the engine thread, so it
+    runs as little Python as it can: a C queue's ``get``, the prepared fill (the library's native fill, run
+    without the GIL), a lock's release; the engine thread checks the rows itself (``none_left``)."""
+
+    def __init__(self):
+        self._jobs: SimpleQueue = SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="pagoda-grammar-mask", daemon=True)
+        self._thread.start()
+
+    def submit(self, fill: Callable[[], None], bitmask: torch.Tensor) -> _Job:
+        job = _Job(fill, bitmask)
+        self._jobs.put(job)
+        return job
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        get = self._jobs.get
+        while (job := get()) is not None:
+            try:
+                job.fill()
+            except BaseException as exc:  # noqa: BLE001 - handed to the engine thread (MaskAhead.wait)
+                job.error = exc
+            job.done.release()
 
 
 def _shorter_switch(on: bool) -> None:
@@ -164,12 +205,10 @@ def _shorter_switch(on: bool) -> None:
                 sys.setswitchinterval(_switch_users[1])
 
 
-def _fill(fill: Callable[[], None], bitmask: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
-    fill()
-    return bitmask, none_left(bitmask)
-
-
 def none_left(bitmask: torch.Tensor) -> list[bool]:
-    """Per row of ``bitmask``: no bit set (the grammar allows no token). (numpy: a tenth of torch's time
-    for 64 rows, which matters as the worker runs it only once it has the GIL back)"""
-    return (~bitmask.numpy().any(axis=1)).tolist()
+    """Per row of ``bitmask``: no bit set (the grammar allows no token). (numpy, on 64-bit words where the row
+    allows: a tenth of torch's time, 7 against 12 us for 64 rows of SmolLM2's 49,152 ids here)"""
+    words = bitmask.numpy()
+    if words.shape[1] % 2 == 0 and words.strides[1] == 4 and words.strides[0] % 8 == 0:
+        words = words.view(np.int64)
+    return (np.bitwise_or.reduce(words, axis=1) == 0).tolist()

@@ -74,8 +74,13 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[tuple[int, GrammarMatch
         device = placed
     vocab = min(logits.shape[-1], 32 * words)
     kernels.get_op("apply_token_bitmask")(logits, device, index, vocab)
-    if vocab < logits.shape[-1]:  # ids past the tokenizer's: never allowed (a slice of rows: no index_put)
-        logits[backends.row_index(targets), vocab:] = float("-inf")
+    if vocab < logits.shape[-1]:  # ids past the tokenizer's: never allowed
+        rows = backends.row_index(targets)
+        if isinstance(rows, slice):  # (the usual batch: views and a fill; indexing took 14% of the step on CUDA)
+            logits.narrow(0, rows.start, rows.stop - rows.start).narrow(1, vocab, logits.shape[-1] - vocab) \
+                .fill_(float("-inf"))
+        else:
+            logits[rows, vocab:] = float("-inf")
     return blocked
 
 
