@@ -9,7 +9,8 @@ count as host time too). BIG_VOCAB=1: the unconstrained runs on the 49,152-id mo
 modes differ by the grammar's work only). REPLICA=1: each streamed step's outputs are also made as deltas and
 pickled, as the server's engine process sends them (``pagoda.distributed.dp_replica``); REPLICA=whole: the
 deltas diffed from cumulative outputs instead (before ``OutputSender.output_of``). PROFILE=1: the
-top functions of a cProfile of the streamed runs.
+top functions of a cProfile of the streamed runs. GRAMMAR_PROCESS=0/1: the engine key structured_outputs_process
+(unset: its default, on for this stand-in of a platform whose steps run ahead).
 Timings compare within one run only.
 
     TRITON_INTERPRET=1 OMP_NUM_THREADS=1 python scripts/host_step_cost.py [BATCH ...]
@@ -74,12 +75,14 @@ if "1" in os.environ.get("CONSTRAINED", "0") or BIG_VOCAB:
 if BIG_VOCAB:
     paths[False] = paths[True]
 batches = [int(b) for b in sys.argv[1:]] or [1, 64]
+GRAMMAR_PROCESS = {"0": False, "1": True}.get(os.environ.get("GRAMMAR_PROCESS", ""))  # unset: the engine's default
 
 
 def measure(batch: int, constrained: bool) -> None:
     engine = LLMEngine(EngineConfig(model=str(paths[constrained]), device="cpu", dtype="float32",
                                     attention_backend="triton", max_num_seqs=batch, max_model_len=4096,
-                                    max_num_batched_tokens=128, num_kv_blocks=220 * batch + 300))
+                                    max_num_batched_tokens=128, num_kv_blocks=220 * batch + 300,
+                                    structured_outputs_process=GRAMMAR_PROCESS))
     # a random tiny model's greedy tokens under the schema: the grammar decides most of them, as in the bench
     params = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True, structured_outputs=(
         StructuredOutputsParams(json=BENCH_SCHEMA) if constrained else None))

@@ -30,9 +30,13 @@ def tokenizer(tmp_path_factory):
     return AutoTokenizer.from_pretrained(str(directory))
 
 
-@pytest.fixture(scope="module", params=["xgrammar", "llguidance"])
+@pytest.fixture(scope="module", params=["xgrammar", "llguidance", "xgrammar-process"])
 def manager(request, tokenizer):
-    return StructuredOutputManager(request.param, tokenizer, VOCAB, [EOS])
+    """Each backend; xgrammar-process: xgrammar's matchers in a grammar process (structured_outputs_process)."""
+    name = request.param.removesuffix("-process")
+    manager = StructuredOutputManager(name, tokenizer, VOCAB, [EOS], process=request.param.endswith("-process"))
+    yield manager
+    manager.shutdown()
 
 
 def walk(manager, params, tokenizer, seed=0, limit=200):
@@ -364,6 +368,66 @@ def test_engine_shutdown_ends_the_mask_worker(checkpoint):
     assert ahead._worker is not None
     llm.shutdown()
     assert ahead._worker is None
+
+
+@pytest.fixture(scope="module")
+def remote_manager(tokenizer):
+    manager = StructuredOutputManager("xgrammar", tokenizer, VOCAB, [EOS], process=True)
+    yield manager
+    manager.shutdown()
+
+
+def test_a_token_the_grammar_process_refuses_fails_the_next_fill(remote_manager, tokenizer):
+    """An accept is only queued (its reply comes with the next message): a token the grammar refuses (a bug
+    upstream: the mask never allows one) marks its matcher, and that matcher's next fill raises, naming the
+    token; the other matchers of the same fill are untouched."""
+    grammar = remote_manager.compile(StructuredOutputsParams(regex=r"[a-c]{2,4}"))
+    bad, good = grammar.matcher(), grammar.matcher()
+    z, a = (tokenizer.convert_tokens_to_ids(c) for c in "za")
+    assert bad.accept(z) and good.accept(a)  # (queued: both look accepted)
+    bitmask = torch.zeros(2, (VOCAB + 31) // 32, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=f"refused token {z}"):
+        fill_bitmasks([(bad, 0), (good, 1)], bitmask)
+    assert isinstance(bad.error, RuntimeError) and good.error is None
+    good.fill_bitmask(bitmask, 1)
+    assert (bitmask[1, a // 32] >> (a % 32)) & 1 and not (bitmask[1, z // 32] >> (z % 32)) & 1
+
+
+def test_a_grammar_process_that_died_is_an_error_naming_it(tokenizer):
+    manager = StructuredOutputManager("xgrammar", tokenizer, VOCAB, [EOS], process=True)
+    matcher = manager.compile(StructuredOutputsParams(regex="ab")).matcher()
+    bitmask = torch.zeros(1, (VOCAB + 31) // 32, dtype=torch.int32)
+    matcher.fill_bitmask(bitmask, 0)
+    process = manager.backend("xgrammar").process
+    process._proc.kill()
+    process._proc.wait()
+    with pytest.raises(RuntimeError, match=r"grammar process \(structured_outputs_process\) is gone"):
+        matcher.fill_bitmask(bitmask, 0)
+    with pytest.raises(RuntimeError, match="is gone"):  # and every fill after it
+        manager.compile(StructuredOutputsParams(regex="cd")).matcher().fill_bitmask(bitmask, 0)
+    manager.shutdown()
+
+
+def test_the_grammar_process_gives_the_in_process_outputs(llm, checkpoint):
+    """The engine with its matchers in a grammar process (structured_outputs_process, the default on GPUs),
+    steps pipelined as on a GPU: eight requests under eight grammars give the tokens of the in-process
+    matchers, most masks come from the fills ahead, and shutting the engine down ends the process."""
+    from pagoda import LLM
+
+    _, params, prompts = eight_grammars()
+    expected = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
+    remote = LLM(model=str(checkpoint), device="cpu", dtype="float32", num_kv_blocks=256, block_size=8,
+                 max_num_seqs=8, max_num_batched_tokens=64, structured_outputs_process=True)
+    remote.engine.enable_step_pipeline()
+    try:
+        got = [[c.token_ids for c in o.outputs] for o in remote.generate(prompts, params)]
+        assert got == expected
+        assert remote.engine.mask_ahead.rows_used > 20 and remote.engine.mask_ahead._worker is None
+        process = remote.engine.controls.structured_outputs.backend("xgrammar").process
+        assert process._proc.poll() is None
+    finally:
+        remote.shutdown()
+    assert process._proc.poll() is not None
 
 
 @pytest.mark.parametrize("ahead_used", [True, False])

@@ -111,6 +111,10 @@ class EngineConfig(BaseModel):
     structured_outputs_backend: Literal["auto", "xgrammar", "llguidance"] = Field(
         "auto", description="grammar engine of structured outputs: xgrammar, llguidance, or auto (xgrammar, and "
         "llguidance for what xgrammar cannot compile)")
+    structured_outputs_process: bool | None = Field(
+        None, description="xgrammar's matchers in a process of their own, so that accepting tokens and filling "
+        "masks hold no GIL the engine needs (docs/serving.md); unset: on where the platform runs steps ahead "
+        "(GPUs), off on the CPU")
     skip_tokenizer_init: bool = Field(False, description="token ids in, token ids out")
     load_format: Literal["auto", "dummy"] = Field("auto", description="dummy: random weights of the "
                                                   "model's shapes (benchmarks)")

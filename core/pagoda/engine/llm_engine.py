@@ -102,7 +102,11 @@ class LLMEngine:
             logger.warning("async_scheduling: the %s platform runs steps one at a time; the key changes nothing "
                            "here", self.platform.name)
         self.eos_token_ids = self._eos_ids()
-        self.controls = RequestControls(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids, config)
+        grammar_process = config.structured_outputs_process
+        if grammar_process is None:  # unset: where host work bounds the steps (they run ahead of it)
+            grammar_process = self.platform.supports_async_steps
+        self.controls = RequestControls(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids, config,
+                                        grammar_process)
         sampler = self.runner.sampler
         sampler.stop_token_ids, sampler.processors = self.eos_token_ids, self.controls.processors
         # grammar masks filled during the host work, into host buffers the device copies from without waiting
@@ -309,9 +313,10 @@ class LLMEngine:
         self.pipeline = StepPipeline(self)
 
     def shutdown(self) -> None:
-        """Stop the grammar masks' worker thread and the other ranks of a tensor-parallel engine (the ranks
+        """Stop the grammar masks' worker thread (or process) and the other ranks of a tensor-parallel engine (the ranks
         are also stopped when the engine is garbage-collected or the process exits)."""
         self.mask_ahead.close()
+        self.controls.structured_outputs.shutdown()
         shutdown = getattr(self.runner, "shutdown", None)
         if shutdown is not None:
             shutdown()

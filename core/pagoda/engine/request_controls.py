@@ -29,12 +29,12 @@ class Prepared:
 
 
 class RequestControls:
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int], config):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int], config, grammar_process: bool = False):
         from pagoda.selection import get_logits_processor, select_reasoning_parser
 
         self.tokenizer = tokenizer
         self.structured_outputs = StructuredOutputManager(config.structured_outputs_backend, tokenizer, vocab_size,
-                                                          sorted(stop_token_ids))
+                                                          sorted(stop_token_ids), process=grammar_process)
         # enabled logits processors, by name: one instance per engine
         self.processors = {name: get_logits_processor(name)(vocab_size, tokenizer) for name in config.logits_processors}
         template = getattr(tokenizer, "chat_template", None)

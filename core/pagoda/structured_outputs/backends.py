@@ -34,6 +34,7 @@ class GrammarMatcher:
         self.stop_token_ids = stop_token_ids
         self.terminated = False
         self.accepted = 0
+        self.error: Exception | None = None  # set where a refusal is found later than its accept (grammar_process)
 
     def accept(self, token: int) -> bool:
         """Advance by one sampled token; False if the grammar does not allow it."""
@@ -60,6 +61,9 @@ class StructuredOutputBackend:
     def matcher(self, grammar: object) -> GrammarMatcher:
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Release what the backend started (the grammar process)."""
+
 
 # ---------------------------------------------------------------------------- xgrammar
 class _XGrammarMatcher(GrammarMatcher):
@@ -83,7 +87,7 @@ class _XGrammarMatcher(GrammarMatcher):
 class XGrammarBackend(StructuredOutputBackend):
     name = "xgrammar"
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], process: bool = False):
         import xgrammar as xgr
 
         self.xgr = xgr
@@ -96,8 +100,21 @@ class XGrammarBackend(StructuredOutputBackend):
         self.words = (count + 31) // 32
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=count, stop_token_ids=stop_token_ids)
         self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # pagoda's manager caches
+        self.process = None  # process=True: the matchers live in a grammar process (grammar_process.py)
+        if process:
+            from pagoda.structured_outputs.grammar_process import GrammarProcess
+
+            self.process = GrammarProcess(info.serialize_json())
 
     def compile(self, spec: GrammarSpec) -> object:
+        compiled = self._compile(spec)
+        if self.process is None:
+            return compiled
+        from pagoda.structured_outputs.grammar_process import ShippedGrammar
+
+        return ShippedGrammar(compiled.serialize_json())  # (serialized here: off the engine loop, as the compile)
+
+    def _compile(self, spec: GrammarSpec) -> object:
         c = self.compiler
         try:
             if spec.kind in ("json", "json_object"):
@@ -116,7 +133,15 @@ class XGrammarBackend(StructuredOutputBackend):
             raise ValueError(_CPP_PREFIX.sub("", str(exc).strip())) from None
 
     def matcher(self, grammar: object) -> GrammarMatcher:
+        if self.process is not None:
+            from pagoda.structured_outputs.grammar_process import RemoteMatcher
+
+            return RemoteMatcher(self.process, grammar, self.stop_token_ids, self.words)
         return _XGrammarMatcher(self.xgr.GrammarMatcher(grammar), self.stop_token_ids, self.words)
+
+    def close(self) -> None:
+        if self.process is not None:
+            self.process.close()
 
 
 # ---------------------------------------------------------------------------- llguidance
@@ -194,6 +219,8 @@ def prepared_fill(matchers: list[tuple[GrammarMatcher, int]], bitmask: torch.Ten
                                      indices=[r for _, r in group]))
             else:
                 calls.append(partial(_fill_narrow, batch, inners, group[0][0].words, bitmask, [r for _, r in group]))
+        elif getattr(kind, "remote", False):
+            calls.append(partial(group[0][0].client.fill_now, [m for m, _ in group], bitmask, [r for _, r in group]))
         elif kind is _LLGuidanceMatcher and len(group) > 1:
             from llguidance.torch import fill_next_token_bitmask_par
 

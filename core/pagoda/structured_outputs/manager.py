@@ -37,7 +37,7 @@ class CompiledGrammar:
 
 
 class StructuredOutputManager:
-    def __init__(self, backend: str, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+    def __init__(self, backend: str, tokenizer, vocab_size: int, stop_token_ids: list[int], process: bool = False):
         if backend not in ("auto", *BACKENDS):
             raise ConfigError(f"structured_outputs_backend {backend!r} is not one of auto, {', '.join(BACKENDS)}")
         self.choice = backend
@@ -45,6 +45,7 @@ class StructuredOutputManager:
         self.has_tokenizer = tokenizer is not None
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
+        self.process = process  # xgrammar's matchers in a process of their own (engine key structured_outputs_process)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagoda-grammar")
         # backends build in their own thread: a compile waiting for one must not hold its place
         self._builder = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagoda-grammar-init")
@@ -69,7 +70,9 @@ class StructuredOutputManager:
         with self._lock:
             future = self._backends.get(name)
             if future is None:
-                future = self._builder.submit(BACKENDS[name], self.tokenizer, self.vocab_size, self.stop_token_ids)
+                extra = {"process": True} if self.process and name == "xgrammar" else {}
+                future = self._builder.submit(BACKENDS[name], self.tokenizer, self.vocab_size, self.stop_token_ids,
+                                              **extra)
                 self._backends[name] = future
         return future
 
@@ -123,3 +126,6 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self._builder.shutdown(wait=False, cancel_futures=True)
+        for future in list(self._backends.values()):
+            if future.done() and future.exception() is None:
+                future.result().close()

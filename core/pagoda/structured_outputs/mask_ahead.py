@@ -66,6 +66,7 @@ class MaskAhead:
         self._worker: _Worker | None = None  # started with the first constrained step
         self._job: _Job | None = None
         self._ready: torch.Tensor | None = None  # the finished job's rows
+        self._none_left: list[bool] | None = None  # which of them allow no token, where the job says
         self._rows: dict[int, tuple[int, int]] = {}  # id(matcher) -> (row in the job's mask, tokens accepted)
         self._matchers: list[GrammarMatcher] = []  # kept alive while their ids are keys above
         self.width: int | None = None  # words per mask row (the model's vocabulary / 32), from the sampler
@@ -83,11 +84,20 @@ class MaskAhead:
             return
         self.wait()
         self._ready = None
+        self._rows = {id(m): (i, m.accepted) for i, m in enumerate(live)}
+        self._matchers = live
+        client = getattr(live[0], "client", None)
+        if client is not None and all(getattr(m, "client", None) is client for m in live):
+            self._turn ^= 1  # matchers in a grammar process: it fills, no thread of this one
+            try:
+                self._job = client.fill_ahead(live, self._turn)
+            except Exception as exc:  # noqa: BLE001 - the sampler's own fill reports it per row
+                logger.debug("grammar masks not filled ahead (%s); the step fills them", exc)
+                self._rows, self._matchers = {}, []
+            return
         if self._worker is None:
             self._worker = _Worker()
             _shorter_switch(True)
-        self._rows = {id(m): (i, m.accepted) for i, m in enumerate(live)}
-        self._matchers = live
         # Rows as wide as the library writes them, so that the worker runs nothing but the library's fill.
         words = {getattr(m, "words", None) for m in live}
         width = min(words.pop() if len(words) == 1 and None not in words else self.width, self.width)
@@ -118,11 +128,10 @@ class MaskAhead:
         job, self._job = self._job, None
         if job is None:
             return
-        job.done.acquire()  # (released by the worker when the fill returns or raises)
-        if job.error is None:
-            self._ready = job.bitmask
-        else:  # the sampler's own fill reports it per row
-            logger.debug("grammar masks filled ahead failed (%s); the step fills them", job.error)
+        try:
+            self._ready, self._none_left = job.result()
+        except Exception as exc:  # noqa: BLE001 - the sampler's own fill reports it per row
+            logger.debug("grammar masks filled ahead failed (%s); the step fills them", exc)
             self._ready, self._rows, self._matchers = None, {}, []
 
     def take(self, rows: list[GrammarMatcher], width: int) -> ReadyMasks | None:
@@ -131,19 +140,22 @@ class MaskAhead:
         accepted no token since the fill started."""
         self.width = width
         self.wait()
-        ready, known = self._ready, self._rows
-        self._ready, self._rows, self._matchers = None, {}, []
+        ready, known, empty = self._ready, self._rows, self._none_left
+        self._ready, self._rows, self._matchers, self._none_left = None, {}, [], None
         if ready is None or ready.shape[1] > width:
             return None
         where = []
         for matcher in rows:
             entry = known.get(id(matcher))
-            where.append(entry[0] if entry is not None and entry[1] == matcher.accepted else -1)
+            valid = entry is not None and entry[1] == matcher.accepted and matcher.error is None
+            where.append(entry[0] if valid else -1)
         used = sum(1 for w in where if w >= 0)
         if not used:
             return None
         self.rows_used += used
-        return ReadyMasks(ready, where, none_left(ready))  # (here: the worker needs no GIL for it)
+        # (a grammar process says which rows allow no token; a worker's rows are checked here, where it needs
+        # no GIL for it)
+        return ReadyMasks(ready, where, empty if empty is not None else none_left(ready))
 
     def close(self) -> None:
         self.wait()
@@ -160,6 +172,13 @@ class _Job:
         self.fill, self.bitmask, self.error = fill, bitmask, None
         self.done = threading.Lock()
         self.done.acquire()  # released when the fill is over
+
+    def result(self) -> tuple[torch.Tensor, None]:
+        """The filled rows (and None: their empty rows are not known yet), once the fill is over."""
+        self.done.acquire()  # (released by the worker when the fill returns or raises)
+        if self.error is not None:
+            raise self.error
+        return self.bitmask, None
 
 
 class _Worker:
