@@ -15,6 +15,8 @@ the worker and back). Every time the worker takes the GIL the engine thread wait
 runs as little Python as it can (``_Worker``: no executor, no future; the rows' checks on the engine
 thread). A py-spy profile of the server on an H100 (docs/benchmarks.md, twenty-fourth session) showed
 the hand-over in ``start`` and the worker's waits for the GIL after its fill as the costliest parts.
+Matchers in a grammar process (``grammar_process``: the default on GPUs) need no worker: ``start`` sends the
+fill to that process, which also accepted the tokens, and ``wait`` reads its reply (rows in shared memory).
 
 The worker writes straight into a host buffer the device copies from without waiting (page-locked on a
 GPU: ``Platform.host_buffer``), rows as wide as the library writes them (xgrammar: the tokenizer's ids,
