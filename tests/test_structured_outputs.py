@@ -298,9 +298,11 @@ def test_masks_filled_ahead_give_the_same_outputs(llm):
     assert with_ahead == in_step
 
 
-def test_a_stale_or_failed_fill_ahead_is_filled_in_the_step(tokenizer):
+@pytest.mark.parametrize("process", [False, True])
+def test_a_stale_or_failed_fill_ahead_is_filled_in_the_step(tokenizer, process):
     """A row whose matcher accepted a token after the fill ahead started is filled again; a fill
-    ahead that raised leaves every row to the step's own fill."""
+    ahead that raised leaves every row to the step's own fill. Matchers in a grammar process: the same,
+    the rows in shared memory (uploaded through a pinned copy: ``pinned`` is False)."""
     from types import SimpleNamespace
 
     from pagoda.structured_outputs.mask_ahead import MaskAhead
@@ -308,7 +310,7 @@ def test_a_stale_or_failed_fill_ahead_is_filled_in_the_step(tokenizer):
     def running(matcher):  # what start() reads of a sequence
         return SimpleNamespace(grammar=matcher, is_finished=False, request_id="r")
 
-    manager = StructuredOutputManager("xgrammar", tokenizer, VOCAB, [tokenizer.eos_token_id])
+    manager = StructuredOutputManager("xgrammar", tokenizer, VOCAB, [tokenizer.eos_token_id], process=process)
     grammar = manager.compile(StructuredOutputsParams(regex="ab+c"))
     first, second = grammar.matcher(), grammar.matcher()
     ahead, words = MaskAhead(), (VOCAB + 31) // 32
@@ -316,7 +318,7 @@ def test_a_stale_or_failed_fill_ahead_is_filled_in_the_step(tokenizer):
     ahead.start([running(first), running(second)])
     first.accept(tokenizer.convert_tokens_to_ids("a"))  # (the engine waits first; here: made stale on purpose)
     ready = ahead.take([first, second], words)
-    assert ready.where == [-1, 1] and ready.none_left == [False, False]
+    assert ready.where == [-1, 1] and ready.none_left == [False, False] and ready.pinned is not process
     want = torch.zeros(1, second.words, dtype=torch.int32)  # (the library's width: the tokenizer's ids)
     second.fill_bitmask(want, 0)
     assert torch.equal(ready.bitmask[1], want[0])
@@ -330,6 +332,7 @@ def test_a_stale_or_failed_fill_ahead_is_filled_in_the_step(tokenizer):
     ahead.start([running(Broken())])
     assert ahead.take([second], words) is None
     ahead.close()
+    manager.shutdown()
 
 
 def test_fills_ahead_shorten_the_gil_switch_interval_until_closed(tokenizer, monkeypatch):

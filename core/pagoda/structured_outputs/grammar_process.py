@@ -192,6 +192,8 @@ class _RemoteJob:
     """One message's reply: the filled rows (a view of shared memory, valid until that buffer's next fill),
     which of them allow no token, and the refusals among the accepts it carried."""
 
+    pinned = False  # (shared memory: the upload pins a copy)
+
     def __init__(self, client: GrammarProcess, rows: _SharedRows, bitmask: torch.Tensor, accepts: list):
         self.client, self.rows, self.bitmask, self.accepts = client, rows, bitmask, accepts
         self.done = False

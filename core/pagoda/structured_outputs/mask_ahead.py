@@ -58,6 +58,7 @@ class ReadyMasks(NamedTuple):
     bitmask: torch.Tensor  # int32 [F, w]: the fill's rows (in the host buffer; valid until the next start)
     where: list[int]  # for each row asked for: its row in ``bitmask``, or -1 (to fill in the step)
     none_left: list[bool]  # per row of ``bitmask``: the grammar allows no token at all
+    pinned: bool  # ``bitmask`` lies in the platform's host buffer (else shared memory: pinned on upload)
 
 
 class MaskAhead:
@@ -69,6 +70,7 @@ class MaskAhead:
         self._job: _Job | None = None
         self._ready: torch.Tensor | None = None  # the finished job's rows
         self._none_left: list[bool] | None = None  # which of them allow no token, where the job says
+        self._pinned = True  # whether they lie in a buffer of ``host_buffer``
         self._rows: dict[int, tuple[int, int]] = {}  # id(matcher) -> (row in the job's mask, tokens accepted)
         self._matchers: list[GrammarMatcher] = []  # kept alive while their ids are keys above
         self.width: int | None = None  # words per mask row (the model's vocabulary / 32), from the sampler
@@ -132,6 +134,7 @@ class MaskAhead:
             return
         try:
             self._ready, self._none_left = job.result()
+            self._pinned = job.pinned
         except Exception as exc:  # noqa: BLE001 - the sampler's own fill reports it per row
             logger.debug("grammar masks filled ahead failed (%s); the step fills them", exc)
             self._ready, self._rows, self._matchers = None, {}, []
@@ -157,7 +160,7 @@ class MaskAhead:
         self.rows_used += used
         # (a grammar process says which rows allow no token; a worker's rows are checked here, where it needs
         # no GIL for it)
-        return ReadyMasks(ready, where, empty if empty is not None else none_left(ready))
+        return ReadyMasks(ready, where, empty if empty is not None else none_left(ready), self._pinned)
 
     def close(self) -> None:
         self.wait()
@@ -169,6 +172,7 @@ class MaskAhead:
 
 class _Job:
     __slots__ = ("fill", "bitmask", "error", "done")
+    pinned = True  # (its rows lie in the platform's host buffer)
 
     def __init__(self, fill: Callable[[], None], bitmask: torch.Tensor):
         self.fill, self.bitmask, self.error = fill, bitmask, None

@@ -63,8 +63,11 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[tuple[int, GrammarMatch
             host[src, opening // 32] |= _bit(opening % 32)
         elif empty[src] and row not in failed:
             blocked.append(row)
-    # the buffer filled ahead is page-locked already (copied as it is); rows filled here go through upload
-    device = host.to(logits.device, non_blocking=True) if extra is None else upload(host.numpy(), logits.device)
+    # the worker's buffer is page-locked already (copied as it is); rows filled here or by a grammar process (in
+    # shared memory) go through upload, which pins them first: a copy from pageable memory would wait for the
+    # device's queued work, i.e. the forward launched ahead
+    pinned = extra is None and ready.pinned
+    device = host.to(logits.device, non_blocking=True) if pinned else upload(host.numpy(), logits.device)
     targets = [row for row, _, _ in rows]
     # the kernel's rows (padded where its kernel is Triton's: _kernel_rows), uploaded once for both uses below
     index = _rows_on(logits.device, targets if logits.device.type == "cpu" else _kernel_rows(targets))
