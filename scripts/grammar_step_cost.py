@@ -13,6 +13,7 @@ import statistics
 import sys
 import time
 
+from mask_ahead_bench import Running, busy  # (this folder is on the path when run as a script)
 from pagoda.bench.serve_client import BENCH_SCHEMA
 from pagoda.structured_outputs.manager import StructuredOutputManager
 from pagoda.structured_outputs.mask_ahead import MaskAhead
@@ -20,17 +21,6 @@ from pagoda.structured_outputs.params import StructuredOutputsParams
 from transformers import AutoTokenizer
 
 ROWS, MODEL_VOCAB, STEPS, ROUNDS = 64, 151_936, 300, 2
-
-
-class Running:  # what MaskAhead.start reads of a sequence
-    def __init__(self, matcher):
-        self.grammar, self.is_finished, self.request_id = matcher, False, "r"
-
-
-def busy(ms: float) -> None:
-    end, x = time.perf_counter() + ms / 1e3, 0
-    while time.perf_counter() < end:
-        x += 1
 
 
 def measure(tok, process: bool, busy_ms: float) -> float:
