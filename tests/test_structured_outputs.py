@@ -364,13 +364,22 @@ def test_fills_ahead_shorten_the_gil_switch_interval_until_closed(tokenizer, mon
         sys.setswitchinterval(own)
 
 
-def test_engine_shutdown_ends_the_mask_worker(checkpoint):
+def test_engine_shutdown_ends_the_mask_worker_and_the_grammar_process(checkpoint):
     llm = _llm(checkpoint)
     llm.generate([[1, 2, 3]], constrained(StructuredOutputsParams(regex="(ab)+c"), max_tokens=4))
     ahead = llm.engine.mask_ahead
     assert ahead._worker is not None
     llm.shutdown()
     assert ahead._worker is None
+    from pagoda import LLM
+
+    remote = LLM(model=str(checkpoint), device="cpu", dtype="float32", num_kv_blocks=64, block_size=8,
+                 structured_outputs_process=True)
+    remote.generate([[1, 2, 3]], constrained(StructuredOutputsParams(regex="(ab)+c"), max_tokens=4))
+    process = remote.engine.controls.structured_outputs.backend("xgrammar").process._proc
+    assert process.poll() is None
+    remote.shutdown()
+    assert process.poll() is not None
 
 
 @pytest.fixture(scope="module")
@@ -414,8 +423,9 @@ def test_a_grammar_process_that_died_is_an_error_naming_it(tokenizer):
 def test_the_grammar_process_gives_the_in_process_outputs(llm, checkpoint):
     """The engine with its matchers in a grammar process (structured_outputs_process, the default on GPUs),
     steps pipelined as on a GPU: eight requests under eight grammars give the tokens of the in-process
-    matchers, most masks come from the fills ahead, and shutting the engine down ends the process."""
-    from pagoda import LLM
+    matchers, and most masks come from the fills ahead; a grammar process that died fails the constrained
+    requests with a message naming it, the others run on."""
+    from pagoda import LLM, SamplingParams
 
     _, params, prompts = eight_grammars()
     expected = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
@@ -427,10 +437,14 @@ def test_the_grammar_process_gives_the_in_process_outputs(llm, checkpoint):
         assert got == expected
         assert remote.engine.mask_ahead.rows_used > 20 and remote.engine.mask_ahead._worker is None
         process = remote.engine.controls.structured_outputs.backend("xgrammar").process
-        assert process._proc.poll() is None
+        process._proc.kill()
+        process._proc.wait()
+        plain = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        outs = remote.generate([[3, 4, 5], [6, 7]], [constrained(StructuredOutputsParams(regex="(ab)+!")), plain])
+        assert outs[0].outputs[0].finish_reason == "error" and "grammar process" in outs[0].error
+        assert len(outs[1].outputs[0].token_ids) == 4
     finally:
         remote.shutdown()
-    assert process._proc.poll() is not None
 
 
 @pytest.mark.parametrize("ahead_used", [True, False])
