@@ -219,7 +219,7 @@ def prepared_fill(matchers: list[tuple[GrammarMatcher, int]], bitmask: torch.Ten
                                      indices=[r for _, r in group]))
             else:
                 calls.append(partial(_fill_narrow, batch, inners, group[0][0].words, bitmask, [r for _, r in group]))
-        elif getattr(kind, "remote", False):
+        elif getattr(group[0][0], "client", None) is not None:  # matchers in a grammar process: it fills
             calls.append(partial(group[0][0].client.fill_now, [m for m, _ in group], bitmask, [r for _, r in group]))
         elif kind is _LLGuidanceMatcher and len(group) > 1:
             from llguidance.torch import fill_next_token_bitmask_par

@@ -36,10 +36,10 @@ import weakref
 from collections import deque
 from multiprocessing.connection import Connection
 
-import numpy as np
 import torch
 
-from pagoda.structured_outputs.backends import GrammarMatcher
+from pagoda.structured_outputs.backends import GrammarMatcher, _place
+from pagoda.structured_outputs.mask_ahead import none_left
 
 ENV_FD = "PAGODA_GRAMMAR_FD"  # the child's end of the socket pair
 
@@ -56,9 +56,8 @@ class ShippedGrammar:
 
 
 class RemoteMatcher(GrammarMatcher):
-    """A sequence's matcher in the grammar process: accepts are queued, fills asked of the child."""
-
-    remote = True  # (``backends.prepared_fill`` asks its client for the rows)
+    """A sequence's matcher in the grammar process: accepts are queued, fills asked of the child (``client``:
+    ``backends.prepared_fill`` and ``MaskAhead.start`` look for it)."""
 
     def __init__(self, client: GrammarProcess, grammar: ShippedGrammar, stop_token_ids: set[int], words: int):
         super().__init__(stop_token_ids)
@@ -90,7 +89,7 @@ class GrammarProcess:
         except OSError as exc:
             raise self._gone(exc) from None
         self._slots = itertools.count()
-        self._grammars: dict[int, weakref.ref] = {}  # gid -> its ShippedGrammar, for the ones the child has
+        self._grammars: set[int] = set()  # gids of the grammars the child has
         self._new: list[tuple] = []  # ("grammar", gid, text) / (slot, gid) to send with the next message
         self._freed: deque[int] = deque()  # slots, and -1 - gid of grammars, that are gone (any thread appends)
         self.accepts: list[tuple[RemoteMatcher, int]] = []  # since the last message
@@ -103,7 +102,7 @@ class GrammarProcess:
     # ------------------------------------------------------------------ bookkeeping (engine thread)
     def new_matcher(self, grammar: ShippedGrammar) -> int:
         if grammar.gid not in self._grammars:
-            self._grammars[grammar.gid] = weakref.ref(grammar)
+            self._grammars.add(grammar.gid)
             self._new.append(("grammar", grammar.gid, grammar.text))
             weakref.finalize(grammar, self._forget, grammar.gid)
         slot = next(self._slots)
@@ -114,7 +113,7 @@ class GrammarProcess:
         self._freed.append(slot)
 
     def _forget(self, gid: int) -> None:
-        self._grammars.pop(gid, None)
+        self._grammars.discard(gid)
         self._freed.append(-1 - gid)
 
     # ------------------------------------------------------------------ fills
@@ -133,9 +132,7 @@ class GrammarProcess:
         for matcher in matchers:  # (refusals found by this very reply)
             if matcher.error is not None:
                 raise matcher.error
-        index = torch.tensor(rows)
-        bitmask[index, :part.shape[1]] = part
-        bitmask[index, part.shape[1]:] = 0
+        _place(bitmask, rows, part)
 
     def _send(self, matchers: list[RemoteMatcher], buffer: int) -> _RemoteJob:
         with self._lock:
@@ -299,7 +296,7 @@ def _serve(conn: Connection) -> None:
             matcher = matchers.get(slot)
             if matcher is None or not matcher.accept_token(token):
                 refused.append(i)
-        none_left = []
+        empty = []
         if failure is None:
             try:
                 if key not in maps:
@@ -307,10 +304,10 @@ def _serve(conn: Connection) -> None:
                         maps[key] = torch.frombuffer(mmap.mmap(f.fileno(), 0), dtype=torch.int32)
                 rows = maps[key][:len(slots) * words].view(len(slots), words)
                 batch.batch_fill_next_token_bitmask([matchers[s] for s in slots], rows)
-                none_left = (np.bitwise_or.reduce(rows.numpy(), axis=1) == 0).tolist()
+                empty = none_left(rows)
             except Exception as exc:  # noqa: BLE001 - reported with the reply
                 failure = f"{type(exc).__name__}: {exc}"
-        conn.send((refused, none_left, failure))
+        conn.send((refused, empty, failure))
 
 
 if __name__ == "__main__":
