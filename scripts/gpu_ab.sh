@@ -12,7 +12,7 @@
 #   rm -rf .ab && mkdir -p .ab/base && git archive BASE_COMMIT | tar -x -C .ab/base   # .ab/ is git-ignored
 # Run (device tool, carry [".whl", ".ab"]): bash scripts/gpu_ab.sh
 # Settings: ROUNDS=2 SHAPE=qwen3-0.6b THROUGHPUT=1 LATENCY_BATCHES="1 8" STRUCTURED=0 BENCH_TIMEOUT=240
-#   BASE_TREE=.ab/base
+#   BASE_TREE=.ab/base STRUCTURED_REPEATS=2 (and gpu_structured.sh's NUM_REQUESTS=256)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/out/ab}
@@ -24,6 +24,7 @@ THROUGHPUT=${THROUGHPUT:-1}
 LATENCY_BATCHES=${LATENCY_BATCHES-"1 8"}  # (empty: none)
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-240}
 STRUCTURED=${STRUCTURED:-0}
+STRUCTURED_REPEATS=${STRUCTURED_REPEATS:-2}  # interleaved pairs per structured run (NUM_REQUESTS: requests per run)
 BASE_TREE=${BASE_TREE:-.ab/base}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -61,7 +62,8 @@ run_one() {  # tree name round
     structured)
       say "$tree: structured outputs through the server, round $round"
       PYTHONPATH="$path" SKIP_INSTALL=1 OUT="$OUT/structured-$tree-$round" BACKENDS=xgrammar OFFLINE=0 \
-        CLIENT_PROCESSES=4 REPEATS=2 timeout $((BENCH_TIMEOUT + 60)) bash scripts/gpu_structured.sh >>"$LOG" 2>&1
+        CLIENT_PROCESSES=4 REPEATS=$STRUCTURED_REPEATS timeout $((BENCH_TIMEOUT + 60)) bash scripts/gpu_structured.sh \
+        >>"$LOG" 2>&1
       cp "$OUT/structured-$tree-$round/bench-xgrammar-c4.json" "$OUT/$tree-structured-$round.json" 2>/dev/null \
         || say "  failed (see $OUT/structured-$tree-$round)" ;;
   esac
@@ -88,13 +90,18 @@ for path in sorted(glob.glob(os.path.join(out, "*.json"))):
     data = json.load(open(path))
     if name == "throughput":
         value = round(data["best"]["output_tok_s"])  # output tok/s, best of the bench's runs
-    elif name == "structured":  # JSON-schema tok/s / unconstrained tok/s (median of the pairs), mask ms/step
+    elif name == "structured":  # JSON-schema tok/s / unconstrained tok/s (median of the pairs), mask ms/step,
+        # and where the tree reports them: its wait for fills ahead, the device waits (unconstrained / JSON)
+        mask = data.get("grammar_mask") or {}
         value = (data.get("ratio_to_unconstrained"), round(data["output_tokens_per_s"]),
-                 round(data["unconstrained"]["output_tokens_per_s"]), (data.get("grammar_mask") or {}).get("ms_per_step"))
+                 round(data["unconstrained"]["output_tokens_per_s"]), mask.get("ms_per_step"))
+        if "engine" in data:
+            value += (mask.get("fill_wait_ms_per_step"), data["unconstrained"]["engine"]["device_wait_ms_per_step"],
+                      data["engine"]["device_wait_ms_per_step"])
     else:
         value = round(data["requests_ms"]["itl"]["p50"], 3)  # p50 inter-token latency, ms
     rows.setdefault(name, {}).setdefault(tree, []).append(value)
-print("| benchmark (throughput: output tok/s; latency: p50 ITL ms; structured: ratio, JSON tok/s, plain tok/s, mask ms/step) | base (each round) | this tree (each round) |")
+print("| benchmark (throughput: output tok/s; latency: p50 ITL ms; structured: ratio, JSON tok/s, plain tok/s, mask ms/step[, fill wait, device wait plain / JSON ms/step]) | base (each round) | this tree (each round) |")
 print("| --- | --- | --- |")
 for name, trees in rows.items():
     print(f"| {name} | {trees.get('base')} | {trees.get('tree')} |")

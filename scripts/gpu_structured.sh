@@ -95,8 +95,8 @@ try:
           f"ahead {so['steps_launched_ahead']}; mask {mask.get('mask_ms_per_step', 0):.3f} ms/step (cumulative)")
 except (OSError, ValueError, KeyError) as exc:
     print("offline: none", exc)
-print("| backend, client processes | unconstrained tok/s | JSON-schema tok/s | ratio (median) | pair ratios | mask ms/step | mask us/row | mask share | steps launched ahead | client CPU share (unconstrained / JSON) |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+print("| backend, client processes | unconstrained tok/s | JSON-schema tok/s | ratio (median) | pair ratios | mask ms/step (waiting for fills) | mask us/row | mask share | steps launched ahead | device wait ms/step (unconstrained / JSON) | client CPU share (unconstrained / JSON) |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 for path in sorted(Path(sys.argv[1]).glob("bench-*.json")):
     try:
         r = json.loads(path.read_text())
@@ -104,7 +104,10 @@ for path in sorted(Path(sys.argv[1]).glob("bench-*.json")):
         print(f"| {path.stem[6:]} | failed (see structured.log) |"); continue
     m = r.get("grammar_mask") or {}
     print(f"| {path.stem[6:]} | {r['unconstrained']['output_tokens_per_s']} | {r['output_tokens_per_s']} | "
-          f"{r.get('ratio_to_unconstrained')} | {r.get('pair_ratios')} | {m.get('ms_per_step')} | {m.get('us_per_row')} | "
-          f"{m.get('share_of_wall')} | {m.get('steps_launched_ahead')} / {m.get('engine_steps')} | "
+          f"{r.get('ratio_to_unconstrained')} | {r.get('pair_ratios')} | {m.get('ms_per_step')} "
+          f"({m.get('fill_wait_ms_per_step')}) | {m.get('us_per_row')} | {m.get('share_of_wall')} | "
+          f"{m.get('steps_launched_ahead')} / {m.get('engine_steps')} | "
+          f"{(r['unconstrained'].get('engine') or {}).get('device_wait_ms_per_step')} / "
+          f"{(r.get('engine') or {}).get('device_wait_ms_per_step')} | "
           f"{r['unconstrained'].get('client_cpu_share')} / {r.get('client_cpu_share')} |")
 PYEOF

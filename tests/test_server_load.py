@@ -232,6 +232,11 @@ def test_bench_serve_structured_outputs_mode_reports_the_mask_cost(server, capsy
     assert rep["ratio_to_unconstrained"] > 0
     mask = rep["grammar_mask"]  # every constrained token had its row masked
     assert mask["rows"] == rep["output_tokens"] and mask["seconds"] > 0 and mask["ms_per_step"] > 0
+    # the waits the server reports: for fills ahead (part of the mask step), for the device (0: the CPU's steps are
+    # not pipelined)
+    assert 0 <= mask["fill_wait_ms_per_step"] <= mask["ms_per_step"]
+    for run in (rep, rep["unconstrained"]):
+        assert run["engine"]["steps"] > 0 and run["engine"]["device_wait_ms_per_step"] == 0
     assert stats(server)["structured_outputs"]["mask_rows"] >= mask["rows"]
     rc = pagoda_main(["bench", "serve", "--url", server.url, "--endpoint", "chat", "--num-requests", "2",
                       "--max-tokens", "4", "--structured-outputs", "choice", "--json"])

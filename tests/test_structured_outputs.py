@@ -335,6 +335,41 @@ def test_a_stale_or_failed_fill_ahead_is_filled_in_the_step(tokenizer, process):
     manager.shutdown()
 
 
+def test_a_grammar_process_s_rows_are_pinned_in_place_where_the_platform_can(tokenizer):
+    """With ``Platform.pin_in_place`` (the CUDA platform's page-locks memory as it lies) each shared buffer of the
+    fills ahead is pinned once, when made: its rows are then uploaded as they are (``pinned``), and unpinned
+    before the process's memory goes; the step's own fills (a buffer of their own) are never pinned."""
+    from types import SimpleNamespace
+
+    from pagoda.structured_outputs.mask_ahead import MaskAhead
+    from pagoda.structured_outputs.masking import apply_grammar_masks
+
+    pinned, unpinned = [], []
+
+    def pin_in_place(host):
+        pinned.append((host.data_ptr(), host.numel()))
+        return lambda: unpinned.append(host.data_ptr())
+
+    manager = StructuredOutputManager("xgrammar", tokenizer, VOCAB, [tokenizer.eos_token_id], process=True)
+    grammar = manager.compile(StructuredOutputsParams(regex="ab+c"))
+    first, second = grammar.matcher(), grammar.matcher()
+    ahead, words = MaskAhead(pin_in_place=pin_in_place), (VOCAB + 31) // 32
+    ahead.width = words
+    for step in range(3):  # two buffers take turns: pinned once each
+        ahead.start([SimpleNamespace(grammar=m, is_finished=False, request_id="r") for m in (first, second)])
+        logits = torch.zeros(2, VOCAB)
+        assert apply_grammar_masks(logits, [(0, first, None), (1, second, None)], ahead, {}) == []
+        assert ahead.rows_used == 2 * (step + 1)  # (the fill ahead's rows, pinned, not the step's own)
+        allowed = (logits[0] == 0).nonzero().flatten().tolist()
+        assert allowed == [tokenizer.convert_tokens_to_ids("a")] and torch.equal(logits[0], logits[1])
+    first.fill_bitmask(torch.zeros(1, words, dtype=torch.int32), 0)  # a fill now: its own buffer, not pinned
+    assert len(pinned) == 2 and not unpinned
+    ahead.start([SimpleNamespace(grammar=first, is_finished=False, request_id="r")])
+    assert ahead.take([first], words).pinned
+    manager.shutdown()
+    assert sorted(unpinned) == sorted(ptr for ptr, _ in pinned)
+
+
 def test_fills_ahead_shorten_the_gil_switch_interval_until_closed(tokenizer, monkeypatch):
     """While a MaskAhead has its worker, CPython's GIL switch interval is at most SWITCH_INTERVAL (the worker
     then hands its rows back before the sampler asks for them); the process's own interval comes back
@@ -621,4 +656,9 @@ def test_on_cuda_constrained_steps_run_ahead_with_graphs(checkpoint):
             jsonschema.validate(json.loads(outs[i].outputs[0].text), schema)
         if pipelined:
             assert llm.engine.pipeline.sampled_later > 10
+            # the matchers in a grammar process (the default on CUDA), its fills ahead page-locked where they lie
+            process = llm.engine.controls.structured_outputs.backend("xgrammar").process
+            ahead = [rows for turn, rows in process._buffers.items() if turn < 2]
+            assert ahead and all(rows.pinned for rows in ahead)
+            assert llm.get_stats()["device_wait_seconds"] > 0
     assert outputs[True] == outputs[False]

@@ -95,6 +95,13 @@ class Platform:
         """``host`` in memory the device copies from without waiting (``host`` itself by default)."""
         return host
 
+    def pin_in_place(self, host: torch.Tensor) -> Callable[[], None] | None:
+        """Page-lock ``host``'s memory where it lies (e.g. memory mapped from a file another process writes), so
+        that the device copies from it without waiting and without a copy through ``pin``; returns the undo, to
+        call before that memory is unmapped, or None where the platform does not (the CPU: nothing to pin) or
+        could not."""
+        return None
+
     def record_event(self, timing: bool = False) -> Any:
         """A mark of the work queued so far on the current stream, with ``synchronize()`` (and, with
         ``timing``, ``elapsed_time(later_mark)`` in ms); None on devices whose work is done when queued

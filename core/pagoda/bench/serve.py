@@ -157,11 +157,12 @@ def build_plan(args) -> Plan:
 
 
 MASK_METRICS = ("pagoda_grammar_mask_seconds_total", "pagoda_grammar_mask_rows_total", "pagoda_engine_steps_total",
-                "pagoda_engine_steps_launched_ahead_total")
+                "pagoda_engine_steps_launched_ahead_total", "pagoda_grammar_fill_wait_seconds_total",
+                "pagoda_engine_device_wait_seconds_total")
 
 
 def scrape(plan: Plan) -> dict[str, float]:
-    """The server's grammar-mask counters and step count (absent counters read 0)."""
+    """The server's grammar-mask counters, step count and waits (absent counters, e.g. another server's, read 0)."""
     import httpx
 
     r = httpx.get(plan.url + "/metrics", headers=plan.headers, timeout=10)
@@ -174,8 +175,9 @@ def scrape(plan: Plan) -> dict[str, float]:
 
 
 def measured(plan: Plan) -> dict:
-    """One run of the plan; with a constraint, the mask cost the server reports for it."""
-    before = scrape(plan) if plan.structured else None
+    """One run of the plan; the engine's steps and its waits for the device over it, and with a constraint the
+    mask cost the server reports for it."""
+    before = scrape(plan)
     wall, client_cpu = _drive(plan)
     rep = report(plan, wall)
     # The client's own CPU time over the wall time (its busiest process): near 1.0 the client (a Python
@@ -183,12 +185,16 @@ def measured(plan: Plan) -> dict:
     rep["client_cpu_share"] = round(client_cpu, 3)
     rep["client_processes"] = plan.client_processes
     rep["structured_outputs"] = plan.structured
-    if before is not None:
-        after = scrape(plan)
-        seconds, rows, steps, ahead = (after[k] - before[k] for k in MASK_METRICS)
+    after = scrape(plan)
+    seconds, rows, steps, ahead, fill_wait, device_wait = (after[k] - before[k] for k in MASK_METRICS)
+    per_step = lambda x: round(1000 * x / steps, 3) if steps else None  # noqa: E731 - ms per engine step
+    # the device waited for the host most of a step where the host's wait for the device is short
+    rep["engine"] = {"steps": int(steps), "steps_launched_ahead": int(ahead), "device_wait_ms_per_step":
+                     per_step(device_wait)}
+    if plan.structured:
         rep["grammar_mask"] = {"seconds": round(seconds, 4), "rows": int(rows), "engine_steps": int(steps),
-                               "steps_launched_ahead": int(ahead),
-                               "ms_per_step": round(1000 * seconds / steps, 3) if steps else None,
+                               "steps_launched_ahead": int(ahead), "ms_per_step": per_step(seconds),
+                               "fill_wait_ms_per_step": per_step(fill_wait),
                                "us_per_row": round(1e6 * seconds / rows, 2) if rows else None,
                                "share_of_wall": round(seconds / wall, 4) if wall else None}
     return rep
@@ -265,7 +271,12 @@ def _print(rep: dict) -> None:
         print(f"  client CPU  {100 * share:.0f}% of the wall time{busy}")
     mask = rep.get("grammar_mask")
     if mask:
-        print(f"  grammar masks: {mask['ms_per_step']} ms per engine step, {mask['us_per_row']} us per row, "
-              f"{100 * (mask['share_of_wall'] or 0):.1f}% of the wall time")
+        print(f"  grammar masks: {mask['ms_per_step']} ms per engine step ({mask['fill_wait_ms_per_step']} waiting "
+              f"for fills ahead), {mask['us_per_row']} us per row, {100 * (mask['share_of_wall'] or 0):.1f}% of the "
+              f"wall time")
+    engine = rep.get("engine")
+    if engine and engine["steps"]:
+        print(f"  engine: {engine['steps']} steps, {engine['device_wait_ms_per_step']} ms per step waiting for the "
+              f"device")
     if rep["errors"]:
         print(f"  errors: {rep['errors']}", file=sys.stderr)

@@ -110,7 +110,7 @@ class LLMEngine:
         sampler = self.runner.sampler
         sampler.stop_token_ids, sampler.processors = self.eos_token_ids, self.controls.processors
         # grammar masks filled during the host work, into host buffers the device copies from without waiting
-        self.mask_ahead = sampler.mask_ahead = MaskAhead(self.platform.host_buffer)
+        self.mask_ahead = sampler.mask_ahead = MaskAhead(self.platform.host_buffer, self.platform.pin_in_place)
         self.requests: dict[str, Request] = {}
         self._counter = itertools.count()
         self.mm_processor = self._multimodal_processor()  # None: a model that takes no images
@@ -372,12 +372,14 @@ class LLMEngine:
         if self.pipeline is not None:  # steps launched before the previous one's tokens were known
             stats["steps_launched_ahead"] = self.pipeline.launched_ahead
             stats["steps_sampled_after_launch"] = self.pipeline.sampled_later
+            # host seconds spent waiting for the device (near 0: the host's work bounds the steps)
+            stats["device_wait_seconds"] = getattr(self.runner, "device_wait_seconds", 0.0)
         mixed = getattr(self.runner, "mixed_graphs", None)
         if mixed is not None:  # steps with prefill chunks replayed from graphs (pagoda.engine.mixed_graphs)
             stats["mixed_steps_replayed"] = mixed.replays
         mask = self.runner.sampler.mask
         if mask.steps:  # structured outputs: the grammar masks' host cost
-            stats["structured_outputs"] = mask.summary()
+            stats["structured_outputs"] = {**mask.summary(), "fill_wait_seconds": self.mask_ahead.wait_seconds}
         return stats
 
 

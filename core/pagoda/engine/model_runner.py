@@ -115,6 +115,7 @@ class ModelRunner:
         self.mixed_graphs = None  # pagoda.engine.mixed_graphs.MixedGraphs: steps with prefill chunks, when captured
         self._token_hosts: list[torch.Tensor] | None = None  # page-locked token buffers of launched steps
         self._token_turn = 0
+        self.device_wait_seconds = 0.0  # host time collect spent waiting for launched steps' tokens (get_stats)
         self.expert_counts: dict[str, torch.Tensor] = {}
         self.multimodal = None  # pagoda.multimodal.encoder.MultiModalStep of a model that embeds images
         if supports_multimodal(self.model):
@@ -312,7 +313,9 @@ class ModelRunner:
         if pending.waits_for_choice:
             raise RuntimeError("an ON_DEVICE step was collected before choose_on_device chose its tokens")
         if pending.event is not None:
+            t0 = time.perf_counter()
             pending.event.synchronize()
+            self.device_wait_seconds += time.perf_counter() - t0
         n = pending.num_seqs
         values = pending.host[: n + len(pending.grammar_rows)].tolist()
         if pending.grammar_rows:

@@ -35,6 +35,8 @@ ENGINE_METRICS = {
     "steps_sampled_after_launch": ("pagoda_engine_steps_sampled_after_launch", "launched steps whose tokens were "
                                    "chosen on the device after the previous step's commit (grammar masks)",
                                    "counter"),
+    "device_wait_seconds": ("pagoda_engine_device_wait_seconds", "host seconds the step pipeline waited for the "
+                            "device's sampled tokens (near 0 while host work bounds the steps)", "counter"),
     "mixed_steps_replayed": ("pagoda_engine_mixed_steps_replayed", "steps with prefill chunks replayed from "
                              "captured graphs (the others with prefill chunks run eagerly)", "counter"),
     "prefill_tokens_computed": ("pagoda_prefill_tokens_computed", "prompt tokens computed (not served "
@@ -72,6 +74,9 @@ class EngineCollector:
                                       "filled", value=float(masks["mask_rows"]))
             yield CounterMetricFamily("pagoda_grammar_mask_seconds", "host seconds spent filling "
                                       "grammar masks", value=float(masks["mask_seconds"]))
+            yield CounterMetricFamily("pagoda_grammar_fill_wait_seconds", "host seconds the engine waited for "
+                                      "grammar masks filled ahead (part of mask_seconds)",
+                                      value=float(masks.get("fill_wait_seconds", 0.0)))
         yield from speculative_families(stats.get("speculative"))
         replicas = stats.get("data_parallel")
         if replicas:  # data parallelism: each replica's gauges, labelled by replica

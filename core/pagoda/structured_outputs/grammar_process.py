@@ -34,6 +34,7 @@ import tempfile
 import threading
 import weakref
 from collections import deque
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 import torch
@@ -117,10 +118,11 @@ class GrammarProcess:
         self._freed.append(-1 - gid)
 
     # ------------------------------------------------------------------ fills
-    def fill_ahead(self, matchers: list[RemoteMatcher], turn: int) -> _RemoteJob:
+    def fill_ahead(self, matchers: list[RemoteMatcher], turn: int, pin: Callable | None = None) -> _RemoteJob:
         """Send the queued accepts and a fill of ``matchers``' next masks into buffer ``turn`` (0 or 1);
-        the rows of ``job.result()`` follow ``matchers``' order."""
-        return self._send(matchers, turn)
+        the rows of ``job.result()`` follow ``matchers``' order. ``pin``: ``Platform.pin_in_place``, to
+        page-lock a new buffer with (the rows then go to the device without a copy: ``job.pinned``)."""
+        return self._send(matchers, turn, pin)
 
     def fill_now(self, matchers: list[RemoteMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
         """Fill ``bitmask[rows]`` for ``matchers`` now (waits for the child); the ids past the tokenizer's,
@@ -134,12 +136,12 @@ class GrammarProcess:
                 raise matcher.error
         _place(bitmask, rows, part)
 
-    def _send(self, matchers: list[RemoteMatcher], buffer: int) -> _RemoteJob:
+    def _send(self, matchers: list[RemoteMatcher], buffer: int, pin: Callable | None = None) -> _RemoteJob:
         with self._lock:
             if self.error is not None:
                 raise self.error
             words = matchers[0].words
-            rows = self._rows(buffer, len(matchers), words)
+            rows = self._rows(buffer, len(matchers), words, pin)
             new, self._new = self._new, []
             freed = [self._freed.popleft() for _ in range(len(self._freed))]
             accepts, self.accepts = self.accepts, []
@@ -153,10 +155,12 @@ class GrammarProcess:
             self._jobs.append(job)
             return job
 
-    def _rows(self, buffer: int, count: int, words: int) -> _SharedRows:
+    def _rows(self, buffer: int, count: int, words: int, pin: Callable | None) -> _SharedRows:
         rows = self._buffers.get(buffer)
         if rows is None or rows.capacity < count * words:  # (a smaller one's rows stay mapped while in use)
-            rows = self._buffers[buffer] = _SharedRows(max(count, 64) * words)
+            if rows is not None:  # (unpinned: every copy from its rows was waited for, two steps ago at least)
+                rows.close()
+            rows = self._buffers[buffer] = _SharedRows(max(count, 64) * words, pin)
         return rows
 
     def _read(self, job: _RemoteJob) -> None:
@@ -189,10 +193,9 @@ class _RemoteJob:
     """One message's reply: the filled rows (a view of shared memory, valid until that buffer's next fill),
     which of them allow no token, and the refusals among the accepts it carried."""
 
-    pinned = False  # (shared memory: the upload pins a copy)
-
     def __init__(self, client: GrammarProcess, rows: _SharedRows, bitmask: torch.Tensor, accepts: list):
         self.client, self.rows, self.bitmask, self.accepts = client, rows, bitmask, accepts
+        self.pinned = rows.pinned  # (else the upload pins a copy)
         self.done = False
         self.none_left: list[bool] = []
         self.failure: str | None = None
@@ -215,11 +218,12 @@ class _RemoteJob:
 
 class _SharedRows:
     """int32 words in a file under /dev/shm (the system's temporary folder where there is none), mapped by
-    both processes; the file is removed once the child has mapped it (both keep their mappings)."""
+    both processes; the file is removed once the child has mapped it (both keep their mappings). ``pin``
+    (``Platform.pin_in_place``): page-locked in the engine's process, where the platform can."""
 
     _keys = itertools.count()
 
-    def __init__(self, words: int):
+    def __init__(self, words: int, pin: Callable | None = None):
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
         fd, self.path = tempfile.mkstemp(prefix="pagoda-grammar-", dir=folder)
         try:
@@ -231,9 +235,18 @@ class _SharedRows:
         self._words = torch.frombuffer(self._map, dtype=torch.int32)
         self._removed = False
         self.key = next(self._keys)  # (the child's key for its mapping: a path may come again once removed)
+        self._unpin = pin(self._words) if pin is not None else None
+        self.pinned = self._unpin is not None
 
     def view(self, rows: int, words: int) -> torch.Tensor:
         return self._words[:rows * words].view(rows, words)
+
+    def close(self) -> None:
+        """Unpinned (before its memory may go) and removed."""
+        unpin, self._unpin = self._unpin, None
+        if unpin is not None:
+            unpin()
+        self.remove()
 
     def remove(self) -> None:
         if not self._removed:
@@ -256,7 +269,7 @@ def _close(conn: Connection, proc: subprocess.Popen, buffers: dict) -> None:
         proc.wait()
     conn.close()
     for rows in buffers.values():
-        rows.remove()
+        rows.close()
 
 
 # ---------------------------------------------------------------------------- the child

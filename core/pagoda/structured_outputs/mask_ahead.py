@@ -25,7 +25,7 @@ rows are still valid, i.e. the same matcher with no token accepted since, and wh
 all) and uploads it in one copy; it fills only the other rows itself. Two buffers
 take turns, so a fill never writes into rows a copy of the step before may still be reading.
 
-    ahead = MaskAhead(host_buffer)
+    ahead = MaskAhead(host_buffer, pin_in_place)  # the platform's: page-locked rows, as they lie
     ahead.start(sequences, broken)            # after a step: their grammars just advanced
     ready = ahead.take(rows)                  # in the sampler: the filled rows, where each of ``rows`` is
     ahead.wait()                              # before any matcher advances again
@@ -58,12 +58,14 @@ class ReadyMasks(NamedTuple):
     bitmask: torch.Tensor  # int32 [F, w]: the fill's rows (in the host buffer; valid until the next start)
     where: list[int]  # for each row asked for: its row in ``bitmask``, or -1 (to fill in the step)
     none_left: list[bool]  # per row of ``bitmask``: the grammar allows no token at all
-    pinned: bool  # ``bitmask`` lies in the platform's host buffer (else shared memory: pinned on upload)
+    pinned: bool  # ``bitmask`` lies in page-locked memory (else shared memory the platform could not pin in place)
 
 
 class MaskAhead:
-    def __init__(self, host_buffer: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None):
+    def __init__(self, host_buffer: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+                 pin_in_place: Callable[[torch.Tensor], Callable[[], None] | None] | None = None):
         self._host_buffer = host_buffer or (lambda shape, dtype: torch.zeros(shape, dtype=dtype))
+        self._pin_in_place = pin_in_place  # (Platform.pin_in_place: for a grammar process's shared rows)
         self._buffers: list[torch.Tensor | None] = [None, None]  # taking turns (see the module docstring)
         self._turn = 0
         self._worker: _Worker | None = None  # started with the first constrained step
@@ -75,6 +77,7 @@ class MaskAhead:
         self._matchers: list[GrammarMatcher] = []  # kept alive while their ids are keys above
         self.width: int | None = None  # words per mask row (the model's vocabulary / 32), from the sampler
         self.rows_used = 0  # rows the sampler took from a fill ahead (tests, stats)
+        self.wait_seconds = 0.0  # host time spent waiting for fills ahead to end (stats: fill_wait_seconds)
 
     def start(self, seqs, broken=()) -> None:
         """Fill the next masks of these sequences' grammars on the worker thread: those still running,
@@ -94,7 +97,7 @@ class MaskAhead:
         if client is not None and all(getattr(m, "client", None) is client for m in live):
             self._turn ^= 1  # matchers in a grammar process: it fills, no thread of this one
             try:
-                self._job = client.fill_ahead(live, self._turn)
+                self._job = client.fill_ahead(live, self._turn, self._pin_in_place)
             except Exception as exc:  # noqa: BLE001 - the sampler's own fill reports it per row
                 logger.debug("grammar masks not filled ahead (%s); the step fills them", exc)
                 self._rows, self._matchers = {}, []
@@ -132,12 +135,15 @@ class MaskAhead:
         job, self._job = self._job, None
         if job is None:
             return
+        t0 = time.perf_counter()
         try:
             self._ready, self._none_left = job.result()
             self._pinned = job.pinned
         except Exception as exc:  # noqa: BLE001 - the sampler's own fill reports it per row
             logger.debug("grammar masks filled ahead failed (%s); the step fills them", exc)
             self._ready, self._rows, self._matchers = None, {}, []
+        finally:
+            self.wait_seconds += time.perf_counter() - t0
 
     def take(self, rows: list[GrammarMatcher], width: int) -> ReadyMasks | None:
         """The rows filled ahead for the matchers ``rows`` (in the sampler's order) of a mask ``width``

@@ -63,9 +63,10 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[tuple[int, GrammarMatch
             host[src, opening // 32] |= _bit(opening % 32)
         elif empty[src] and row not in failed:
             blocked.append(row)
-    # the worker's buffer is page-locked already (copied as it is); rows filled here or by a grammar process (in
-    # shared memory) go through upload, which pins them first: a copy from pageable memory would wait for the
-    # device's queued work, i.e. the forward launched ahead
+    # the worker's buffer is page-locked already, as is a grammar process's shared memory where the platform could
+    # pin it in place (copied as they are); rows filled here, or shared memory left pageable, go through upload,
+    # which pins them first: a copy from pageable memory would wait for the device's queued work, i.e. the forward
+    # launched ahead
     pinned = extra is None and ready.pinned
     device = host.to(logits.device, non_blocking=True) if pinned else upload(host.numpy(), logits.device)
     targets = [row for row, _, _ in rows]

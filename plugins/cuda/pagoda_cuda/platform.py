@@ -6,6 +6,8 @@ machine without CUDA gets a reason instead of an import error.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -120,6 +122,22 @@ class CudaPlatform(Platform):
     def pin(self, host) -> Any:
         return host.pin_memory()  # (the caching host allocator recycles these buffers)
 
+    def pin_in_place(self, host) -> Callable[[], None] | None:
+        """Through the driver (``cuMemHostRegister``), which reports a failure by its return value only: the
+        runtime's ``cudaHostRegister`` would leave its error behind for torch's next launch check."""
+        import torch
+
+        driver = _driver()
+        ptr, size = host.data_ptr(), host.numel() * host.element_size()
+        if driver is None or size == 0:
+            return None
+        torch.cuda.current_stream().query()  # (a runtime call: the device's context current on this thread)
+        code = driver.cuMemHostRegister_v2(ctypes.c_void_p(ptr), ctypes.c_size_t(size), ctypes.c_uint(0))
+        if code != 0:
+            logger.debug("cuMemHostRegister failed (%d): host rows are copied through pinned buffers", code)
+            return None
+        return lambda: driver.cuMemHostUnregister(ctypes.c_void_p(ptr))
+
     def record_event(self, timing: bool = False) -> Any:
         import torch
 
@@ -158,3 +176,12 @@ class CudaPlatform(Platform):
         return (f"cuda: {props.name} ({props.multi_processor_count} SMs, "
                 f"{props.total_memory / (1 << 30):.0f} GiB, compute capability {props.major}.{props.minor}; "
                 f"{torch.cuda.device_count()} device(s))")
+
+
+@functools.cache
+def _driver() -> ctypes.CDLL | None:
+    """The CUDA driver library the process already uses (None where it cannot be loaded)."""
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
