@@ -141,4 +141,5 @@ def test_structured_outputs_run(tmp_path, capsys):
     res = json.loads(out.read_text())
     assert res["workload"]["structured_outputs"] == "json" and res["workload"]["temperature"] == 0.7
     run = res["runs"][0]
-    assert 3 <= run["output_tokens"] <= 36 and run["grammar_mask"]["mask_rows"] >= run["output_tokens"]
+    # (cumulative: the warm-up ran under the same grammar, so that its one-time costs stay out of the runs)
+    assert 3 <= run["output_tokens"] <= 36 and run["grammar_mask"]["mask_rows"] >= run["output_tokens"] + 3

@@ -197,8 +197,9 @@ def run(args) -> int:
         if args.warmup_prompts is None:
             args.warmup_prompts = args.num_prompts
         if args.warmup_prompts:
+            # (under the run's grammar too: its compile and the mask kernel's first launch stay out of the runs)
             warm = SamplingParams(temperature=0.0, max_tokens=min(8, args.output_len), ignore_eos=True,
-                                  detokenize=False)
+                                  detokenize=False, structured_outputs=params.structured_outputs)
             llm.generate(make_prompts(args.warmup_prompts, args.input_len, vocab, args.prompt_seed + 999), warm,
                          lora_request=_per_prompt(loras, args.warmup_prompts))
         runs = []
