@@ -173,6 +173,24 @@ def test_layer_split_even_and_partitioned():
         layer_ranges(1, 2)
 
 
+def test_each_replica_gets_its_own_devices_and_too_few_is_a_config_error(monkeypatch):
+    """Where a platform limits a process to some devices, replica i gets devices [i*R, (i+1)*R) of the visible
+    ones; asking for more than are visible names data_parallel_size before any replica starts; the CPU's
+    replicas share it."""
+    from types import SimpleNamespace
+
+    from pagoda.distributed.replicas import _device_lists
+
+    gpu = SimpleNamespace(name="cuda", visible_devices_env="CUDA_VISIBLE_DEVICES", device_count=lambda: 8)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6,7")
+    assert _device_lists(gpu, 2, 2) == [["3", "5"], ["6", "7"]]
+    with pytest.raises(ConfigError, match=r"data_parallel_size=3 x 2 ranks per replica needs 6 cuda devices, but 4"):
+        _device_lists(gpu, 3, 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert _device_lists(gpu, 4, 2)[3] == ["6", "7"]  # (none set: the platform's count)
+    assert _device_lists(SimpleNamespace(visible_devices_env=None), 2, 1) is None
+
+
 def test_replica_choice_balances_load_and_keeps_prefix_affinity():
     assert choose_replica([3, 1, 2], None) == 1
     assert choose_replica([3, 1, 2], 0) == 0  # affinity while not much more loaded

@@ -22,19 +22,14 @@ A replica that dies stops the front with a ``WorkerError`` naming it.
 from __future__ import annotations
 
 import logging
-import os
-import secrets
-import subprocess
-import sys
 import time
 import weakref
-from multiprocessing.connection import Listener, wait
+from multiprocessing.connection import wait
 from typing import Any
 
 from pagoda.config import EngineConfig
-from pagoda.distributed.dp_replica import ENV_ADDRESS, ENV_AUTHKEY, ENV_INDEX
 from pagoda.distributed.output_deltas import OutputReceiver
-from pagoda.distributed.replicas import Replica, SchedulerView, choose_replica
+from pagoda.distributed.replicas import Replica, SchedulerView, choose_replica, start_replicas, stop_replicas
 from pagoda.engine.executor.failures import WorkerError, describe_exit
 from pagoda.engine.prompt_ids import check_prompt_ids, truncate_prompt_ids
 from pagoda.engine.prompt_ids import prompt_token_ids as prompt_ids
@@ -50,8 +45,6 @@ from pagoda.sampling_params import SamplingParams
 logger = logging.getLogger("pagoda")
 STARTUP_TIMEOUT_S = 900.0
 STREAM_WAIT_S = 0.02  # streaming: how long a step waits for outputs before the server's commands run
-_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                  "GROUP_RANK", "TORCHELASTIC_RUN_ID")
 
 
 class DataParallelEngine:
@@ -77,22 +70,10 @@ class DataParallelEngine:
                                             config.download_dir))
         self.max_model_len = LLMEngine._max_model_len(self)  # the same rule as every replica's
         ranks = config.tensor_parallel_size * config.pipeline_parallel_size
-        devices = self._device_lists(size, ranks)
         local = config.model_copy(update={"data_parallel_size": 1, "model": str(self.source.path)}
                                   if getattr(self.source, "repo_id", None) else {"data_parallel_size": 1})
-        authkey = secrets.token_bytes(16)
-        self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
-        port = self._listener.address[1]
-        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
-        env.update({ENV_ADDRESS: f"127.0.0.1:{port}", ENV_AUTHKEY: authkey.hex()})
-        self.replicas: list[Replica] = []
-        for i in range(size):
-            extra = {ENV_INDEX: str(i)}
-            if devices is not None:
-                extra[self.platform.visible_devices_env] = ",".join(devices[i])
-            proc = subprocess.Popen([sys.executable, "-m", "pagoda.distributed.dp_replica"], env={**env, **extra})
-            self.replicas.append(Replica(i, proc, alone=size == 1))
-        self._finalizer = weakref.finalize(self, _stop, self.replicas, self._listener)
+        self._listener, self.replicas = start_replicas(size, self.platform, ranks)
+        self._finalizer = weakref.finalize(self, stop_replicas, self.replicas, self._listener)
         self.error: WorkerError | None = None
         self._receiver = OutputReceiver()  # the replicas send deltas (pagoda.distributed.output_deltas)
         self.parameter_count = 0  # replica 0 reports it when ready
@@ -119,17 +100,6 @@ class DataParallelEngine:
         self._step_timeout = 60.0 if finished_only else STREAM_WAIT_S
 
     # ------------------------------------------------------------------ start-up
-    def _device_lists(self, size: int, ranks: int) -> list[list[str]] | None:
-        var = self.platform.visible_devices_env
-        if var is None:  # replicas share the device (the CPU)
-            return None
-        visible = os.environ.get(var)
-        ids = [d for d in visible.split(",") if d] if visible else [str(i) for i in range(self.platform.device_count())]
-        if len(ids) < size * ranks:
-            raise ConfigError(f"data_parallel_size={size} x {ranks} ranks per replica needs {size * ranks} "
-                              f"{self.platform.name} devices, but {len(ids)} are visible")
-        return [ids[i * ranks:(i + 1) * ranks] for i in range(size)]
-
     def _connect(self, config_json: str, finished_only: bool) -> None:
         """Accept every replica's connection, send it its config, wait until its engine is up."""
         import threading
@@ -398,21 +368,3 @@ class DataParallelEngine:
         """Stop the replicas (also done when the front is dropped or the process exits)."""
         self._finalizer()
 
-
-def _stop(replicas: list[Replica], listener: Listener) -> None:
-    for replica in replicas:
-        if replica.conn is not None:
-            try:
-                replica.conn.send(("stop",))
-            except OSError:
-                pass
-    deadline = time.monotonic() + 10.0
-    for replica in replicas:
-        try:
-            replica.proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            replica.proc.kill()
-            replica.proc.wait()
-        if replica.conn is not None:
-            replica.conn.close()
-    listener.close()
