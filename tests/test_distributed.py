@@ -347,6 +347,11 @@ def test_pipelined_launches_reach_every_rank_with_its_own_device_tokens():
     assert [e[1:] for e in driver.log if e[0] == "launch"] == [([1, 1], [5, 5]), ([2, 2], [6, 6]),
                                                              ([3, 3], [PENDING_TOKEN, 7])]
     assert ("forget", seqs[0].seq_id) in driver.log  # (rank 0's: the other ranks keep nothing per sequence)
+    from pagoda.engine.executor.control import StepMode
+
+    assert [StepMode.of(how).how for how in ("argmax", "host")] == ["argmax", "host"]  # (the launch the mode names)
+    with pytest.raises(KeyError):
+        StepMode.of("device")  # (the other ranks cannot feed the tokens rank 0 draws)
 
 
 def _sent(plan):

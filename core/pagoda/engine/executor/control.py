@@ -16,6 +16,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pagoda.engine.step_plan import ARGMAX, ON_HOST
+
 
 class Kind(enum.IntEnum):
     STEP = 1  # run the model on a step (payload: an encoded StepPlan; mode: StepMode)
@@ -24,12 +26,28 @@ class Kind(enum.IntEnum):
 
 
 class StepMode(enum.IntEnum):
-    EXECUTE = 0  # runner.launch(how=ON_HOST) (rank 0 collects and samples)
-    ALL_LOGITS = 1  # runner.forward_all_logits (scoring)
-    # runner.launch(how=ARGMAX) (the step pipeline); argument: k, the rows fed from the previous launch's tokens,
-    # whose (rows, indices) are the payload's last 2k words; each rank feeds its own previous launch's
-    # tokens (every rank holds the same full logits, so the same argmax)
-    LAUNCH = 2
+    """What a STEP message asks of the other ranks: ``runner.launch`` with the ``how`` its name ends with (the
+    same launch rank 0 makes: ``StepMode.of``/``how``), or ``runner.forward_all_logits`` (scoring)."""
+
+    LAUNCH_ON_HOST = 0  # rank 0 collects and samples: nothing to collect on the others
+    ALL_LOGITS = 1
+    # the step pipeline; argument: k, the rows fed from the previous launch's tokens, whose (rows, indices) are
+    # the payload's last 2k words; each rank feeds its own previous launch's tokens (every rank holds the same
+    # full logits, so the same argmax)
+    LAUNCH_ARGMAX = 2
+
+    @classmethod
+    def of(cls, how: str) -> StepMode:
+        """The mode of a launch whose tokens are chosen ``how`` (ON_HOST or ARGMAX)."""
+        return _LAUNCHES[how]
+
+    @property
+    def how(self) -> str:
+        """A launch mode's ``how`` (ON_HOST or ARGMAX)."""
+        return next(how for how, mode in _LAUNCHES.items() if mode is self)
+
+
+_LAUNCHES = {ON_HOST: StepMode.LAUNCH_ON_HOST, ARGMAX: StepMode.LAUNCH_ARGMAX}
 
 
 class ControlChannel:

@@ -248,7 +248,7 @@ class TensorParallelExecutor:
         if k:
             words = np.concatenate([words, feed.host.reshape(-1)])
         with self._collective("a model step"):
-            self.run.channel.send_words(words, StepMode.LAUNCH if how == ARGMAX else StepMode.EXECUTE, k)
+            self.run.channel.send_words(words, StepMode.of(how), k)
             return self.driver.launch(plan, feed, how=how)
 
     def collect(self, pending):

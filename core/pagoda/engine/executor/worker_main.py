@@ -22,7 +22,7 @@ from pagoda.engine.executor.control import ControlChannel, Kind, StepMode
 from pagoda.engine.executor.step_codec import decode_plan
 from pagoda.engine.gc_freeze import freeze_startup_objects
 from pagoda.engine.pipeline import StepFeed
-from pagoda.engine.step_plan import ARGMAX, ON_HOST
+from pagoda.engine.step_plan import ARGMAX
 from pagoda.kernels.host_upload import upload
 
 logger = logging.getLogger("pagoda")
@@ -68,15 +68,16 @@ def serve_rank(runner: Any, channel: ControlChannel) -> None:
                 freeze_startup_objects()
                 stepping = True
             fed = None
-            if mode == StepMode.LAUNCH and arg:  # the fed rows' (rows, indices) end the payload
+            if arg:  # the fed rows' (rows, indices) end the payload (LAUNCH_ARGMAX)
                 fed, payload = payload[len(payload) - 2 * arg:], payload[:len(payload) - 2 * arg]
             plan = decode_plan(payload)
-            if mode == StepMode.EXECUTE:  # (rank 0 chooses the tokens: nothing to collect here)
-                runner.launch(plan, how=ON_HOST)
-            elif mode == StepMode.LAUNCH:
-                launched = runner.launch(plan, None if fed is None else _feed(launched, fed, arg), how=ARGMAX)
-            else:
+            mode = StepMode(mode)
+            if mode is StepMode.ALL_LOGITS:
                 runner.forward_all_logits(plan)
+            else:  # the launch rank 0 made (ON_HOST: rank 0 chooses the tokens, nothing to collect here)
+                pending = runner.launch(plan, None if fed is None else _feed(launched, fed, arg), how=mode.how)
+                if mode.how == ARGMAX:
+                    launched = pending
         else:
             name, args, kwargs = payload
             channel.send_result(getattr(runner, name)(*args, **kwargs))
