@@ -108,6 +108,53 @@ def test_detokenizer_flushes_a_split_character_when_the_sequence_ends():
     assert seq.text == "\ufffd"
 
 
+def test_decode_streams_give_the_windows_text_split_characters_included():
+    """Where the tokenizer is a ``tokenizers.Tokenizer`` each sequence decodes through a DecodeStream primed with
+    its prompt's last tokens: the same deltas as the windows (one token a step, or several), characters split over
+    byte tokens held back and flushed when the sequence ends; a prompt ending inside a character keeps that
+    sequence on the windows (a stream primed with it would hand the prompt's text out)."""
+    from types import SimpleNamespace
+
+    from pagoda.engine.detokenizer import Detokenizer
+    from pagoda.engine.sequence import SequenceStatus
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # one token a byte: characters split over tokens
+    backend = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = SimpleNamespace(backend_tokenizer=backend)
+    ids = backend.encode("naïve café 你好 😀 ok").ids
+    prompts = {"ends cleanly": backend.encode("say: ").ids, "ends inside a character": backend.encode("ab é").ids[:-1]}
+    for name, prompt in prompts.items():
+        texts = []
+        for streams in (True, False):
+            detok = Detokenizer(tokenizer)
+            if not streams:
+                detok._stream_class = None
+            seq, deltas, at = Sequence("d", 0, prompt, SamplingParams()), [], 0
+            for size in [1, 3, 1, 2] * 10:  # (several tokens a step: speculative decoding's)
+                for t in ids[at:at + size]:
+                    seq.append_token(t)
+                at += size
+                deltas += detok.step([seq])
+                if at >= len(ids):
+                    break
+            texts.append((seq.text, "".join(deltas), seq.decode_stream is False))
+        assert texts[0][:2] == texts[1][:2] == ("naïve café 你好 😀 ok",) * 2, name
+        assert texts[0][2] is (name == "ends inside a character")  # (windows for that one)
+    detok = Detokenizer(tokenizer)  # a character split at the end: held back, then flushed
+    seq = Sequence("d", 0, backend.encode("x").ids, SamplingParams())
+    for step in (backend.encode("a").ids, backend.encode("你").ids[:-1]):
+        for t in step:
+            seq.append_token(t)
+        detok.step([seq])
+    assert seq.text == "a" and isinstance(seq.decode_stream, list)
+    seq.status = SequenceStatus.FINISHED_LENGTH
+    detok.step([seq])
+    assert seq.text.startswith("a\ufffd")
+
+
 def test_the_flags_the_engine_reads_every_step_follow_assigned_fields():
     """needs_processing, argmax_only and samples_on_device are computed once per SamplingParams (the engine
     reads them for every row of every step) and recomputed after a field is assigned."""

@@ -55,6 +55,7 @@ class Sequence:
     text: str = ""
     prefix_offset: int = 0
     read_offset: int = 0
+    decode_stream: list | bool | None = None  # [its DecodeStream, tokens given to it]; False: windows only
     tokens: list[str] | None = None
     # sampling results
     cumulative_logprob: float = 0.0
