@@ -12,8 +12,9 @@ released window blocks rewrite them (decode graphs still copy only what changed 
 
 Rank 0's plan also holds each row's ``Sequence`` (``StepPlan.sequences``, never sent: other ranks do not
 sample): the runner reads them only through ``sampling_rows`` / ``sampling_row`` (``pagoda.engine.
-sampling_batch``: what choosing a token and scoring a prompt read, copied out as plain rows) and, for
-multimodal models, the images placed in the prompt.
+sampling_batch``: what choosing a token and scoring a prompt read, copied out as plain rows). Where a row's
+prompt holds images, the plan carries each row's ``MultiModalInputs`` (``StepPlan.mm_inputs``: the images and
+where they lie; rank 0's too).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class StepPlan:
     num_decodes: int
     num_batched_tokens: int
     sequences: tuple = ()  # rank 0's Sequence of each row (never sent to other ranks; read through the methods)
+    mm_inputs: tuple = ()  # each row's MultiModalInputs or None, where any row has images (else empty)
 
     def sampling_rows(self) -> list[SamplingRow]:
         """The rows that sample, as the sampler reads them, in row order (none on other ranks)."""
@@ -76,6 +78,7 @@ def plan_step(out: SchedulerOutput) -> StepPlan:
     the block manager changes them."""
     rows = []
     seqs = []
+    images = False
     new_row = tuple.__new__  # (PlannedRow's own __new__ is one Python call more per row)
     for it in out.scheduled:
         seq = it.seq
@@ -87,4 +90,6 @@ def plan_step(out: SchedulerOutput) -> StepPlan:
             0 if lora is None else lora.lora_int_id, seq.wants_prompt_logprobs, seq.token_ids[start:start + count],
             (seq.block_table, *groups) if groups else (seq.block_table,))))
         seqs.append(seq)
-    return StepPlan(tuple(rows), out.num_decodes, out.num_batched_tokens, tuple(seqs))
+        images = images or seq.mm_inputs is not None
+    return StepPlan(tuple(rows), out.num_decodes, out.num_batched_tokens, tuple(seqs),
+                    tuple(seq.mm_inputs for seq in seqs) if images else ())

@@ -65,14 +65,14 @@ class MultiModalStep:
 
     def prepare(self, plan, inputs) -> None:
         """Set ``inputs.positions`` to [3, T] when a sequence of the step has 3-D positions and
-        ``inputs.model_kwargs["image_embeds"]`` when the step computes image tokens (the images are the
-        plan's sequences': one device, where rank 0's sequences are at hand)."""
+        ``inputs.model_kwargs["image_embeds"]`` when the step computes image tokens (the images: the plan's
+        ``mm_inputs``)."""
+        if not plan.mm_inputs:  # (no row's prompt has images)
+            return
         qsl = inputs.meta.query_start_loc_cpu
         spans = []  # (its sequence's images, row of its first token, first token index, count, seq_id)
-        for i, (r, seq) in enumerate(zip(plan.rows, plan.sequences)):
-            spans.append((seq.mm_inputs, qsl[i], r.num_computed_tokens, r.num_new_tokens, r.seq_id))
-        if not any(mm is not None for mm, *_ in spans):
-            return
+        for i, (r, mm) in enumerate(zip(plan.rows, plan.mm_inputs)):
+            spans.append((mm, qsl[i], r.num_computed_tokens, r.num_new_tokens, r.seq_id))
         if any(mm is not None and mm.positions is not None for mm, *_ in spans):
             positions = np.empty((3, qsl[-1]), np.int64)
             for mm, row, start, k, _ in spans:
