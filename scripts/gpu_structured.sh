@@ -10,6 +10,7 @@
 # vocabulary (151,936) is larger, so the masks also cover a padded vocabulary. Before the call, on the
 # development machine:
 #   mkdir -p .whl && cp /work/shared/gpu-wheels/*.whl .whl/     # plus xgrammar, apache-tvm-ffi, llguidance
+#   (and, for the GPU tests of tests/test_structured_outputs.py, jsonschema: see gpu_check.sh's header)
 #   python -c "from pagoda.loader.source import default_model_path as p; from pagoda.loader.gguf_file import \
 #     open_gguf; open_gguf(p()).tokenizer().hf.save_pretrained('.whl/smollm2-tokenizer')"
 # Run (device tool, carry [".whl"]): bash scripts/gpu_structured.sh     (about 3 minutes)
