@@ -6,7 +6,7 @@ whose pieces depend on their left neighbour (SentencePiece spaces, multi-byte ch
 split over tokens) produce the right delta. Where the tokenizer is a ``tokenizers.Tokenizer`` (every fast
 HF tokenizer, and GGUF models' own), each sequence keeps a ``tokenizers.decoders.DecodeStream`` instead,
 primed with the prompt's last tokens: one Rust call a step for a sequence's new tokens (half the window
-path's two decodes, with no windows cut in Python: 0.12 against 0.22 ms for 64 sequences a step on the
+path's two decodes, with no windows cut in Python: 0.08 against 0.13 ms for 64 sequences a step on the
 development machine's CPU; the server's engine thread spent about 12% of its time detokenizing on an H100:
 docs/benchmarks.md). A stream that fails (its library refuses a prefix) leaves the sequence to the windows,
 which also flush the bytes a finished sequence's stream still holds (an incomplete character).
