@@ -354,10 +354,8 @@ class DataParallelEngine:
         if masks:  # grammar masks' cost over the replicas
             from pagoda.engine.sampler import MaskCost
 
-            summed["structured_outputs"] = {**MaskCost(sum(m["mask_steps"] for m in masks),
-                                                       sum(m["mask_rows"] for m in masks),
-                                                       sum(m["mask_seconds"] for m in masks)).summary(),
-                                            "fill_wait_seconds": sum(m.get("fill_wait_seconds", 0) for m in masks)}
+            summed["structured_outputs"] = MaskCost(*(sum(m[k] for m in masks) for k in (
+                "mask_steps", "mask_rows", "mask_seconds", "fill_wait_seconds"))).summary()
         summed["data_parallel"] = per
         return summed
 

@@ -53,9 +53,7 @@ class Detokenizer:
             windows = []
             for i in idx:
                 seq = seqs[i]
-                if seq.read_offset == 0:
-                    seq.read_offset = seq.num_prompt_tokens
-                    seq.prefix_offset = max(0, seq.num_prompt_tokens - PREFIX_WINDOW)
+                _start_offsets(seq)
                 windows.append(seq.token_ids[seq.prefix_offset:seq.read_offset])
                 windows.append(seq.token_ids[seq.prefix_offset:_text_end(seq)])
             texts = self._decode_batch(windows, skip)
@@ -101,9 +99,7 @@ class Detokenizer:
     def _start_stream(self, seq: Sequence) -> list | bool:
         """A stream primed with the prompt's last tokens (False where that context ends inside a character: a
         stream primed with it would hand the context's text out as its first delta; the windows slice it off)."""
-        if seq.read_offset == 0:
-            seq.read_offset = seq.num_prompt_tokens
-            seq.prefix_offset = max(0, seq.num_prompt_tokens - PREFIX_WINDOW)
+        _start_offsets(seq)
         context, skip = seq.token_ids[seq.prefix_offset:seq.read_offset], seq.params.skip_special_tokens
         if self.backend.decode(context, skip_special_tokens=skip).endswith("\ufffd"):
             seq.decode_stream = False
@@ -113,6 +109,14 @@ class Detokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._decode_batch([token_ids], skip_special_tokens)[0]
+
+
+def _start_offsets(seq: Sequence) -> None:
+    """A sequence's offsets before its first text: everything up to the prompt's end is read, and decoding starts
+    a few prompt tokens earlier."""
+    if seq.read_offset == 0:
+        seq.read_offset = seq.num_prompt_tokens
+        seq.prefix_offset = max(0, seq.num_prompt_tokens - PREFIX_WINDOW)
 
 
 def _decode_stream_class(backend):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from pagoda.config import EngineConfig
@@ -379,7 +380,7 @@ class LLMEngine:
             stats["mixed_steps_replayed"] = mixed.replays
         mask = self.runner.sampler.mask
         if mask.steps:  # structured outputs: the grammar masks' host cost
-            stats["structured_outputs"] = {**mask.summary(), "fill_wait_seconds": self.mask_ahead.wait_seconds}
+            stats["structured_outputs"] = replace(mask, fill_wait_seconds=self.mask_ahead.wait_seconds).summary()
         return stats
 
 

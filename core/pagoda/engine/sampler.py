@@ -51,6 +51,7 @@ class MaskCost:
     steps: int = 0
     rows: int = 0
     seconds: float = 0.0
+    fill_wait_seconds: float = 0.0  # of ``seconds``: waiting for fills started ahead (the engine's MaskAhead counts it)
 
     def add(self, rows: int, seconds: float) -> None:
         self.steps += 1
@@ -59,6 +60,7 @@ class MaskCost:
 
     def summary(self) -> dict:
         return {"mask_steps": self.steps, "mask_rows": self.rows, "mask_seconds": self.seconds,
+                "fill_wait_seconds": self.fill_wait_seconds,
                 "mask_ms_per_step": 1000.0 * self.seconds / self.steps if self.steps else 0.0,
                 "mask_us_per_row": 1e6 * self.seconds / self.rows if self.rows else 0.0}
 

@@ -44,10 +44,11 @@ class StepMode(enum.IntEnum):
     @property
     def how(self) -> str:
         """A launch mode's ``how`` (ON_HOST or ARGMAX)."""
-        return next(how for how, mode in _LAUNCHES.items() if mode is self)
+        return _HOWS[self]
 
 
 _LAUNCHES = {ON_HOST: StepMode.LAUNCH_ON_HOST, ARGMAX: StepMode.LAUNCH_ARGMAX}
+_HOWS = {mode: how for how, mode in _LAUNCHES.items()}
 
 
 class ControlChannel:
